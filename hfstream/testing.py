@@ -1,0 +1,153 @@
+"""Run a function on N gloo processes on this machine: the harness behind every multi-process
+test, benchmark worker and course check.
+
+Each rank is a fresh ``spawn``-ed process with one compute thread, the usual launcher
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) and,
+unless told otherwise, an initialised gloo process group. A hard timeout turns a hang into a
+failure that names the ranks still running, and every child is killed before this returns.
+
+    >>> from hfstream.testing import run_on_ranks
+    >>> run_on_ranks(my_module.check_allreduce, world_size=2)   # doctest: +SKIP
+    [result_of_rank0, result_of_rank1]
+
+The function must be importable by name (defined at module level): spawn pickles it by
+reference, which is also why notebooks write the code under test to a file first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised, died or timed out; the message carries their tracebacks."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_env(rank: int, world_size: int, port: int, local_rank: int | None = None) -> dict[str, str]:
+    """The environment `torchrun`/`accelerate launch` would give this rank."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _worker(fn, rank, world_size, port, args, kwargs, init_process_group, pg_timeout_s, extra_env, results):
+    os.environ.update(rank_env(rank, world_size, port))
+    os.environ.update(extra_env)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        if init_process_group:
+            dist.init_process_group(
+                "gloo", rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=pg_timeout_s),
+            )
+        out = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", out))
+    except BaseException:  # report everything, including SystemExit from a launcher
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 120.0,
+    init_process_group: bool = True,
+    pg_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes.
+
+    Args:
+        fn: a module-level function; its return value must be picklable.
+        world_size: number of processes (>= 1).
+        timeout: seconds for the whole run; past it every rank is killed and
+            `RankFailure` names the ranks that had not finished.
+        init_process_group: initialise gloo before calling ``fn``. Pass False when ``fn``
+            lets Accelerate/Trainer do it from the environment.
+        pg_timeout_s: the process group's own timeout, so a collective that never completes
+            raises inside the rank instead of waiting forever.
+        env: extra environment variables for every rank.
+
+    Returns:
+        The per-rank return values, in rank order.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(fn, r, world_size, port, args, kwargs, init_process_group, pg_timeout_s, env or {}, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) + len(errors) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [r for r in range(world_size) if r not in outputs and r not in errors]
+                errors.update({r: f"timed out after {timeout:.0f} s (hung?)" for r in missing})
+                break
+            try:
+                rank, status, payload = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                # A rank that died without reporting (segfault, os._exit, OOM kill).
+                for r, p in enumerate(procs):
+                    if r not in outputs and r not in errors and p.exitcode not in (None, 0):
+                        errors[r] = f"process exited with code {p.exitcode} without reporting"
+                continue
+            (outputs if status == "ok" else errors)[rank] = payload
+            if status != "ok":
+                # Give the peers a moment to fail on their own (their messages help), then stop.
+                deadline = min(deadline, time.monotonic() + 5.0)
+    finally:
+        for p in procs:
+            p.join(timeout=2.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    if errors:
+        body = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
+        raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{body}")
+    return [outputs[r] for r in range(world_size)]
