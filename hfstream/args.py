@@ -1,0 +1,157 @@
+"""`StreamTrainingArguments`: `TrainingArguments` plus the few knobs hfstream adds.
+
+Every field carries `metadata={"help": ...}`, so `HfArgumentParser` (and therefore
+`accelerate launch script.py --prefetch_depth 2 ...`) exposes it as a command-line flag.
+
+How the new fields meet the existing ones (never two names for one thing):
+    - ``ddp_bucket_cap_mb`` governs DDP's buckets under ``grad_sync="native"``. Under
+      ``"overlap"``/``"serial"``, hfstream's own buckets use ``grad_bucket_mb``; if that is left
+      at its default and ``ddp_bucket_cap_mb`` is set, the DDP value is used (logged once).
+    - ``ddp_timeout`` is the process group's timeout; hfstream waits on its reductions no
+      longer than that, so a dead peer becomes an error, not a hang.
+    - ``dataloader_pin_memory`` still pins in the DataLoader; the prefetcher pins only what is
+      not pinned already, so leaving it on costs nothing extra.
+    - ``use_cpu`` is switched on (and logged) when several processes are launched on a machine
+      with no accelerator: otherwise Transformers silently trains each CPU rank on its own.
+    - ``ddp_find_unused_parameters`` has no effect under ``"overlap"``/``"serial"``: hfstream
+      always handles parameters whose gradient never arrives (see `GradSync.finish`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+GRAD_SYNC_MODES = ("auto", "overlap", "serial", "native")
+COMM_DTYPES = ("bf16", "fp16")
+STREAM_PRIORITIES = ("high", "normal")
+DEFAULT_BUCKET_MB = 25.0
+
+logger = logging.getLogger(__name__)
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+def _choice_error(name: str, value, accepted) -> ValueError:
+    return ValueError(f"{name}={value!r} is not valid; accepted values: {', '.join(map(repr, accepted))}")
+
+
+@dataclass
+class StreamTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with stream prefetching, overlapped gradient sync and the step report.
+
+    With ``prefetch_depth=0, grad_sync="native"`` a `StreamTrainer` behaves exactly like the
+    stock `Trainer`.
+
+    >>> args = StreamTrainingArguments(output_dir="out", prefetch_depth=2, grad_sync="overlap")
+    >>> args.grad_bucket_mb
+    25.0
+    """
+
+    # --- data movement -------------------------------------------------------------------
+    prefetch_depth: int = field(
+        default=2,
+        metadata={"help": "Batches in flight to the device ahead of the step that uses them "
+                          "(side stream on an accelerator, background thread on CPU). 0 = stock behaviour."},
+    )
+
+    # --- gradient communication ------------------------------------------------------------
+    grad_sync: str = field(
+        default="auto",
+        metadata={"help": "How gradients are averaged across ranks: 'overlap' (hfstream buckets launched "
+                          "from gradient hooks during backward), 'serial' (one all-reduce after backward; "
+                          "the teaching baseline), 'native' (whatever Accelerate does: DDP, FSDP, DeepSpeed), "
+                          "'auto' (overlap under plain multi-process data parallel, native otherwise).",
+                  "choices": list(GRAD_SYNC_MODES)},
+    )
+    grad_bucket_mb: float = field(
+        default=DEFAULT_BUCKET_MB,
+        metadata={"help": "Gradient bucket cap in MiB for 'overlap'/'serial'. 0 = one parameter per bucket, "
+                          "inf = one bucket. Falls back to ddp_bucket_cap_mb when left at its default."},
+    )
+    grad_comm_dtype: str | None = field(
+        default=None,
+        metadata={"help": "Dtype on the wire for gradient all-reduce: None = the gradient's own dtype, "
+                          "'bf16'/'fp16' = compress on the wire and average in fp32."},
+    )
+    comm_stream_priority: str = field(
+        default="high",
+        metadata={"help": "Priority of the communication stream where the backend has one (NCCL): "
+                          "'high' or 'normal'. Accepted and ignored on gloo.",
+                  "choices": list(STREAM_PRIORITIES)},
+    )
+
+    # --- measurement -----------------------------------------------------------------------
+    stream_report: bool = field(
+        default=True,
+        metadata={"help": "Measure each step (data wait, forward, backward, communication, optimizer) and "
+                          "log the breakdown against the ceiling through Trainer.log."},
+    )
+
+    def __post_init__(self):
+        self._validate_stream_fields()
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+            logger.info("hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
+                        "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])
+            self.use_cpu = True
+        super().__post_init__()
+        if self.grad_sync == "overlap" and self._uses_sharded_engine():
+            raise ValueError(
+                "grad_sync='overlap' cannot be combined with FSDP, DeepSpeed or tensor parallelism: "
+                "those engines own gradient communication. Use grad_sync='native' (or 'auto')."
+            )
+
+    def _validate_stream_fields(self) -> None:
+        if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
+            raise ValueError(
+                f"prefetch_depth={self.prefetch_depth!r} is not valid; accepted values: an integer >= 0 "
+                "(0 turns prefetching off, 2 is a good default)"
+            )
+        if self.grad_sync not in GRAD_SYNC_MODES:
+            raise _choice_error("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
+        try:
+            bucket = float(self.grad_bucket_mb)
+        except (TypeError, ValueError):
+            bucket = math.nan
+        if isinstance(self.grad_bucket_mb, bool) or math.isnan(bucket) or bucket < 0:
+            raise ValueError(
+                f"grad_bucket_mb={self.grad_bucket_mb!r} is not valid; accepted values: a number of MiB >= 0 "
+                "(0 = one parameter per bucket, inf = one bucket)"
+            )
+        self.grad_bucket_mb = bucket
+        if self.grad_comm_dtype is not None:
+            aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+            dtype = aliases.get(str(self.grad_comm_dtype).lower(), str(self.grad_comm_dtype).lower())
+            if dtype in ("none", ""):
+                dtype = None
+            elif dtype not in COMM_DTYPES:
+                raise _choice_error("grad_comm_dtype", self.grad_comm_dtype, (None,) + COMM_DTYPES)
+            self.grad_comm_dtype = dtype
+        if self.comm_stream_priority not in STREAM_PRIORITIES:
+            raise _choice_error("comm_stream_priority", self.comm_stream_priority, STREAM_PRIORITIES)
+        if not isinstance(self.stream_report, bool):
+            raise ValueError(f"stream_report={self.stream_report!r} is not valid; accepted values: True, False")
+
+    def _uses_sharded_engine(self) -> bool:
+        """FSDP, DeepSpeed or tensor parallelism: engines that own gradient communication."""
+        pc = getattr(self, "parallelism_config", None)
+        tp = bool(pc is not None and getattr(pc, "tp_enabled", False))
+        return bool(self.fsdp) or bool(self.deepspeed) or tp
+
+    @property
+    def effective_bucket_mb(self) -> float:
+        """The bucket cap hfstream's own buckets use (see the module docstring)."""
+        if self.grad_bucket_mb == DEFAULT_BUCKET_MB and self.ddp_bucket_cap_mb is not None:
+            return float(self.ddp_bucket_cap_mb)
+        return self.grad_bucket_mb

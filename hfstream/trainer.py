@@ -1,0 +1,246 @@
+"""`StreamTrainerMixin`: the Trainer behaviour of hfstream, in a few well-named overrides.
+
+Where data enters, moves to the device, where gradients leave and come back:
+    get_train_dataloader  the loader Accelerate prepared, with device placement handed to the
+                          prefetcher (so set_epoch, skip_first_batches, resumption keep working)
+    get_batch_samples     pulls batches through a `StreamPrefetcher` that stays ``prefetch_depth``
+                          batches ahead, across gradient-accumulation boundaries
+    _wrap_model           under grad_sync "overlap"/"serial": Accelerate prepares the model for
+                          autocast and placement but not for DDP, and `GradSync` hooks it in place
+    training_step         tells GradSync whether this micro-step syncs; after the syncing
+                          micro-step's backward, `finish()` waits for the reductions, so clipping
+                          and the optimizer always see fully averaged gradients
+    log                   adds the step breakdown against the ceiling to the Trainer's logs
+
+`StreamTrainer` is this mixin over `transformers.Trainer`; an existing subclass adopts it with
+``class MyTrainer(StreamTrainerMixin, TheirTrainer)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType, gather_object
+from transformers import Trainer, TrainerCallback
+
+from .args import StreamTrainingArguments
+from .timeline import StepTimeline, format_report
+
+logger = logging.getLogger(__name__)
+
+# Plain data parallel: one full replica per process, gradients averaged by an all-reduce.
+_PLAIN_DP = {
+    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
+    DistributedType.MULTI_XPU, DistributedType.MULTI_NPU, DistributedType.MULTI_MLU,
+    DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
+} - {None}
+
+
+class StreamReport(dict):
+    """The step breakdown against the ceiling: a dict (``mean``, ``per_rank``) that prints as a table."""
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+
+class _StreamCallback(TrainerCallback):
+    """Marks the end of each optimizer step and gathers the report when training ends."""
+
+    def __init__(self, trainer: "StreamTrainerMixin"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer._timeline is not None:
+            self.trainer._timeline.end_step()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._close_prefetcher()
+        self.trainer._gather_report()
+
+
+class StreamTrainerMixin:
+    """Prefetching, overlapped gradient sync and the step report for any `Trainer` subclass.
+
+    Put it first in the bases: ``class MyTrainer(StreamTrainerMixin, Trainer)``. Needs
+    `StreamTrainingArguments`; with ``prefetch_depth=0, grad_sync="native"`` it trains exactly
+    like the class it is mixed into.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        args, kwargs = _default_stream_args(args, kwargs)
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.args, StreamTrainingArguments):
+            raise TypeError(
+                f"{type(self).__name__} needs args=StreamTrainingArguments(...), got {type(self.args).__name__}: "
+                "replace TrainingArguments with hfstream.StreamTrainingArguments (same fields, plus hfstream's)."
+            )
+        self.grad_sync_mode = self._resolve_grad_sync()
+        self.grad_sync = None                    # a GradSync once training prepared the model
+        self._prefetcher = None
+        self._prefetch_source = None
+        self._prefetch_iter = None
+        self._timeline = StepTimeline(self.args.device) if self.args.stream_report else None
+        self._last_logged_step = 0
+        self._report = StreamReport()
+        self._forward_hook = None
+        self.add_callback(_StreamCallback(self))
+
+    # -- configuration ---------------------------------------------------------------------------
+    def _resolve_grad_sync(self) -> str:
+        """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (logged once)."""
+        requested = self.args.grad_sync
+        engine = self.accelerator.distributed_type
+        plain_dp = engine in _PLAIN_DP and not self.args._uses_sharded_engine()
+        if requested in ("overlap", "serial") and not plain_dp:
+            raise ValueError(
+                f"grad_sync={requested!r} needs plain data parallel, but Accelerate runs {engine}: "
+                "FSDP, DeepSpeed and tensor parallelism own gradient communication. Use grad_sync='native'."
+            )
+        if requested != "auto":
+            return requested
+        multi = self.accelerator.num_processes > 1
+        mode = "overlap" if plain_dp and multi and self.args.n_gpu <= 1 else "native"
+        reason = ("plain multi-process data parallel" if mode == "overlap"
+                  else f"distributed type {engine}, {self.accelerator.num_processes} process(es)")
+        logger.info("hfstream: grad_sync='auto' resolved to %r (%s)", mode, reason)
+        return mode
+
+    @property
+    def _hfstream_sync(self) -> bool:
+        return self.grad_sync_mode in ("overlap", "serial")
+
+    # -- where data moves to the device ------------------------------------------------------------
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        if self.args.prefetch_depth > 0 and getattr(loader, "device", None) is not None:
+            # The prefetcher copies to the device ahead of time; the loader must hand it host tensors.
+            loader.device = None
+        return loader
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if self._timeline is not None:
+            self._timeline.begin_step(self.state.global_step + 1)
+        batches = super().get_batch_samples(self._prefetched(epoch_iterator), num_batches, device)
+        if self._timeline is not None:
+            self._timeline.data_ready()
+        return batches
+
+    def _prefetched(self, epoch_iterator):
+        """The same iterator, ``prefetch_depth`` batches ahead. One prefetcher per epoch iterator."""
+        if self.args.prefetch_depth == 0:
+            return epoch_iterator
+        if self._prefetch_source is not epoch_iterator:
+            from .prefetch import StreamPrefetcher
+
+            self._close_prefetcher()
+            self._prefetcher = StreamPrefetcher(epoch_iterator, device=self.args.device,
+                                                depth=self.args.prefetch_depth)
+            self._prefetch_iter = iter(self._prefetcher)
+            self._prefetch_source = epoch_iterator
+        return self._prefetch_iter
+
+    def _close_prefetcher(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+        self._prefetcher = self._prefetch_source = self._prefetch_iter = None
+
+    # -- where gradients leave and come back ---------------------------------------------------------
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        if training and self._hfstream_sync and self.grad_sync is None:
+            from .gradsync import GradSync
+
+            # Autocast and device placement from Accelerate, but no DDP wrapper: prepare_model
+            # marks the module as prepared, so the Trainer's later prepare() leaves it alone.
+            model = self.accelerator.prepare_model(model, evaluation_mode=True)
+            self.grad_sync = GradSync(
+                model,
+                bucket_mb=self.args.effective_bucket_mb,
+                mode=self.grad_sync_mode,
+                comm_dtype=self.args.grad_comm_dtype,
+                comm_stream_priority=self.args.comm_stream_priority,
+            )
+            if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
+                logger.info("hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
+                            self.args.ddp_bucket_cap_mb)
+        if training and self._timeline is not None and self._forward_hook is None:
+            self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(self._forward_done)
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _forward_done(self, module, inputs, output):
+        if module.training and self._timeline is not None:
+            self._timeline.forward_end()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        sync, timeline = self.grad_sync, self._timeline
+        syncs = self.accelerator.sync_gradients or bool(
+            self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+        if sync is not None:
+            sync.require_backward_grad_sync = syncs
+        if timeline is not None:
+            timeline.forward_start()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if timeline is not None:
+            timeline.backward_end()
+        if sync is not None and syncs:
+            sync.finish()
+            if timeline is not None:
+                timeline.add_comm(sync.stats.comm_busy_ms, sync.stats.exposed_comm_ms)
+        if timeline is not None and self.accelerator.sync_gradients:
+            timeline.optimizer_start()
+        return loss
+
+    # -- the report ----------------------------------------------------------------------------------
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if self._timeline is not None and "loss" in logs:
+            summary = self._timeline.summary(since_step=self._last_logged_step)
+            self._last_logged_step = self.state.global_step
+            for key in ("data_wait_ms", "forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms",
+                        "optimizer_ms", "step_ms", "ideal_ms", "efficiency", "overlap"):
+                value = summary.get(key, math.nan)
+                if not math.isnan(value):
+                    logs[f"stream/{key}"] = round(value, 4)
+        super().log(logs, *args, **kwargs)
+
+    def _gather_report(self) -> None:
+        """Every rank's summary, gathered when training ends (all ranks are there)."""
+        if self._timeline is None:
+            return
+        local = self._timeline.summary(warmup=1)
+        per_rank = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        ranks = [r for r in per_rank if r]
+        mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in (ranks[0] if ranks else {})}
+        if ranks and mean.get("step_ms"):
+            # Ratios from the averaged times, as `summarize` does over steps.
+            mean["efficiency"] = mean["ideal_ms"] / mean["step_ms"]
+        self._report = StreamReport(mean=mean, per_rank=per_rank, grad_sync=self.grad_sync_mode,
+                                    prefetch_depth=self.args.prefetch_depth)
+
+    def stream_report(self) -> StreamReport:
+        """The step breakdown against the ceiling for the last `train()` call.
+
+        A dict with ``mean`` (averaged over ranks) and ``per_rank`` (each rank's mean over its
+        steps after the first), each holding the fields of DESIGN.md section 4; ``print()``
+        shows it as a table. Local and cheap: the gathering happened when training ended.
+        """
+        return self._report
+
+
+def _default_stream_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Trainer builds a plain TrainingArguments when none is given; build ours instead."""
+    if len(args) > 1:
+        if args[1] is None:
+            args = (args[0], StreamTrainingArguments(output_dir="tmp_trainer"), *args[2:])
+    elif kwargs.get("args") is None:
+        kwargs = {**kwargs, "args": StreamTrainingArguments(output_dir="tmp_trainer")}
+    return args, kwargs
+
+
+class StreamTrainer(StreamTrainerMixin, Trainer):
+    """`transformers.Trainer` with hfstream's prefetching, overlapped gradient sync and step report.
+
+    >>> trainer = StreamTrainer(model=model, args=StreamTrainingArguments("out"), train_dataset=ds)  # doctest: +SKIP
+    >>> trainer.train(); print(trainer.stream_report())                                            # doctest: +SKIP
+    """

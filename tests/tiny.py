@@ -1,0 +1,64 @@
+"""Tiny models and datasets built from configs (no hub): shared by the trainer tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def tiny_causal_lm(kind: str = "gpt2", vocab: int = 64, seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2LMHeadModel(cfg)
+    if kind == "llama":
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+        return LlamaForCausalLM(cfg)
+    raise ValueError(kind)
+
+
+def tiny_bert_classifier(vocab: int = 64, num_labels: int = 3, seed: int = 0):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, max_position_embeddings=32, num_labels=num_labels,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(cfg)
+
+
+def lm_dataset(n: int = 96, seq: int = 16, vocab: int = 64, seed: int = 1):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
+def cls_dataset(n: int = 96, seq: int = 16, vocab: int = 64, num_labels: int = 3, seed: int = 2):
+    import datasets
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    labels = torch.randint(0, num_labels, (n,), generator=g)
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def train_args(cls, out_dir, **overrides):
+    """Deterministic, quiet, CPU-only arguments shared by every trainer test."""
+    kw = dict(output_dir=str(out_dir), max_steps=20, per_device_train_batch_size=4, learning_rate=1e-3,
+              logging_steps=1, save_strategy="no", report_to=[], seed=0, use_cpu=True,
+              disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="constant")
+    kw.update(overrides)
+    return cls(**kw)
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
