@@ -105,12 +105,12 @@ class StreamTrainingArguments(TrainingArguments):
             logger.info("hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
                         "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])
             self.use_cpu = True
-        super().__post_init__()
-        if self.grad_sync == "overlap" and self._uses_sharded_engine():
+        if self.grad_sync in ("overlap", "serial") and self._uses_sharded_engine():
             raise ValueError(
-                "grad_sync='overlap' cannot be combined with FSDP, DeepSpeed or tensor parallelism: "
+                f"grad_sync={self.grad_sync!r} cannot be combined with FSDP, DeepSpeed or tensor parallelism: "
                 "those engines own gradient communication. Use grad_sync='native' (or 'auto')."
             )
+        super().__post_init__()
 
     def _validate_stream_fields(self) -> None:
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:

@@ -1,0 +1,115 @@
+"""The `hfstream` command: ``hfstream demo``, ``hfstream corpus``, ``hfstream env``.
+
+    hfstream demo [-- TRAIN_CLM_ARGS...]   train the demo under accelerate launch (2 CPU ranks, or every GPU)
+    hfstream corpus OUT_DIR                write the standard-library demo corpus
+    hfstream env                           versions, devices and backends this machine offers
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _accelerator_count() -> int:
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "device_count"):
+        return int(acc.device_count()) if acc.is_available() else 0
+    return torch.cuda.device_count()
+
+
+def demo_command(extra: list[str], num_devices: int | None = None) -> list[str]:
+    """The `accelerate launch` command line the demo runs on this machine."""
+    from .testing import free_port
+
+    n = _accelerator_count() if num_devices is None else num_devices
+    configs = REPO / "recipes" / "accelerate"
+    script = REPO / "recipes" / "train_clm.py"
+    if not script.is_file():
+        raise SystemExit(f"hfstream demo: {script} not found; run it from a clone of the hfstream repository")
+    if n == 0:
+        config, procs = configs / "cpu_2proc.yaml", 2
+    elif n == 1:
+        config, procs = configs / "1gpu.yaml", 1
+    else:
+        config, procs = configs / "8gpu.yaml", n
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+            "--num_processes", str(procs), "--main_process_port", str(free_port()), str(script), *extra]
+
+
+def _cmd_demo(ns) -> int:
+    extra = list(ns.train_args)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    cmd = demo_command(extra)
+    print("hfstream demo:", " ".join(cmd), flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    return subprocess.call(cmd, env=env)
+
+
+def _cmd_corpus(ns) -> int:
+    from .data import build_stdlib_corpus
+
+    path = build_stdlib_corpus(ns.out_dir, max_bytes=ns.max_bytes)
+    print(f"{path} ({path.stat().st_size:,} bytes)")
+    return 0
+
+
+def _cmd_env(ns) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import accelerate
+    import transformers
+
+    from . import __version__
+
+    acc = getattr(torch, "accelerator", None)
+    current = acc.current_accelerator() if acc is not None and acc.is_available() else None
+    rows = [
+        ("hfstream", __version__), ("python", sys.version.split()[0]), ("torch", torch.__version__),
+        ("transformers", transformers.__version__), ("accelerate", accelerate.__version__),
+        ("accelerator", f"{current} x{_accelerator_count()}" if current is not None else "none (CPU)"),
+        ("gloo", dist.is_available() and dist.is_gloo_available()),
+        ("nccl", dist.is_available() and dist.is_nccl_available()),
+        ("cpu threads", torch.get_num_threads()),
+    ]
+    for k, v in rows:
+        print(f"{k:<14}{v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hfstream", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("demo", help="train the demo under accelerate launch and print the step report")
+    p.add_argument("train_args", nargs=argparse.REMAINDER,
+                   help="arguments for recipes/train_clm.py, after --, e.g. -- --max_steps 50")
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("corpus", help="write the standard-library demo corpus")
+    p.add_argument("out_dir", help="directory to write stdlib_corpus.txt into")
+    p.add_argument("--max-bytes", type=int, default=2_000_000, help="corpus size (default 2,000,000)")
+    p.set_defaults(func=_cmd_corpus)
+
+    p = sub.add_parser("env", help="versions, devices and communication backends on this machine")
+    p.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return int(ns.func(ns) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Pictures of a run: the step breakdown against the ceiling, and the loss curve.
+
+matplotlib with the Agg backend (no display needed); every function saves a PNG and returns
+its path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+PARTS = (("data_wait_ms", "data wait", "#c9c9c9"), ("forward_ms", "forward", "#4c72b0"),
+         ("backward_ms", "backward", "#55a868"), ("exposed_comm_ms", "exposed comm", "#c44e52"),
+         ("optimizer_ms", "optimizer", "#8172b2"))
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_breakdown(report: dict[str, Any], path: str | os.PathLike, title: str = "step breakdown vs ceiling") -> Path:
+    """Stacked bar per rank (and their mean) of where a step's time goes, with the ceiling marked."""
+    plt = _pyplot()
+    per_rank = report.get("per_rank") or []
+    bars = [("mean", report.get("mean", report))] + [(f"rank {i}", r) for i, r in enumerate(per_rank) if r]
+    if len(bars) == 2:
+        bars = bars[:1]   # one rank: its mean is the rank
+    fig, ax = plt.subplots(figsize=(max(5.0, 3.2 + 1.1 * len(bars)), 4.2))
+    for x, (_, row) in enumerate(bars):
+        bottom = 0.0
+        for key, label, color in PARTS:
+            v = row.get(key, 0.0)
+            v = 0.0 if v is None or math.isnan(v) else v
+            ax.bar(x, v, bottom=bottom, color=color, label=label if x == 0 else None, width=0.6)
+            bottom += v
+        ideal = row.get("ideal_ms", math.nan)
+        if not math.isnan(ideal):
+            ax.hlines(ideal, x - 0.4, x + 0.4, colors="black", linestyles="--",
+                      label="ceiling" if x == 0 else None)
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars])
+    ax.set_ylabel("ms per optimizer step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_loss(log_history: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "training loss") -> Path:
+    """Training (and, where logged, evaluation) loss against the optimizer step."""
+    plt = _pyplot()
+    train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
+    evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h and "step" in h]
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    if train:
+        ax.plot(*zip(*train), label="train", color="#4c72b0")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval", color="#c44e52")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path

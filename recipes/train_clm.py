@@ -1,0 +1,129 @@
+"""Train a small causal language model from config with `StreamTrainer` — hfstream's main job.
+
+The corpus is built at run time from this Python's standard library sources (or your own
+``--data_files``), the tokenizer is byte-level (or a BPE trained here), the model is a
+GPT-2-style or Llama-style network from a config: nothing is downloaded.
+
+Launch (configs in recipes/accelerate/):
+
+    # CPU, 2 processes over gloo (what `make demo` runs on a machine without a GPU)
+    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/train_clm.py --output_dir runs/demo
+
+    # one GPU
+    accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/train_clm.py --output_dir runs/1gpu --bf16
+
+    # one node, 8 GPUs
+    accelerate launch --config_file recipes/accelerate/8gpu.yaml recipes/train_clm.py --output_dir runs/8gpu --bf16
+
+    # two nodes, 8 GPUs each: run on each node, with its own --machine_rank and the first node's address
+    accelerate launch --config_file recipes/accelerate/2node.yaml --machine_rank 0 --main_process_ip 10.0.0.1 \
+        recipes/train_clm.py --output_dir runs/2node --bf16
+    accelerate launch --config_file recipes/accelerate/2node.yaml --machine_rank 1 --main_process_ip 10.0.0.1 \
+        recipes/train_clm.py --output_dir runs/2node --bf16
+
+    # the same under torchrun, or plain python for one process
+    torchrun --nproc_per_node 2 recipes/train_clm.py --output_dir runs/torchrun
+    python recipes/train_clm.py --output_dir runs/single --max_steps 50
+
+Every `StreamTrainingArguments` field is a flag (``--prefetch_depth 2 --grad_sync overlap``
+``--grad_bucket_mb 4``); ``--help`` lists them all.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, LlamaConfig, LlamaForCausalLM
+
+from hfstream import StreamTrainer, StreamTrainingArguments
+from hfstream.data import build_stdlib_corpus, byte_tokenizer, load_text_dataset, train_bpe_tokenizer
+from hfstream.plot import plot_breakdown, plot_loss
+
+
+@dataclass
+class ModelArguments:
+    model_type: str = field(default="gpt2", metadata={"help": "Architecture built from config: 'gpt2' or 'llama'.",
+                                                      "choices": ["gpt2", "llama"]})
+    n_layer: int = field(default=4, metadata={"help": "Transformer blocks."})
+    n_embd: int = field(default=128, metadata={"help": "Hidden size."})
+    n_head: int = field(default=4, metadata={"help": "Attention heads."})
+    tokenizer: str = field(default="bytes", metadata={"help": "'bytes' (257 ids, nothing to train) or 'bpe' "
+                                                               "(byte-level BPE trained on the corpus here).",
+                                                       "choices": ["bytes", "bpe"]})
+    bpe_vocab_size: int = field(default=2048, metadata={"help": "Vocabulary size with --tokenizer bpe."})
+
+
+@dataclass
+class DataArguments:
+    data_files: list[str] = field(default_factory=list, metadata={
+        "help": "Local text files to train on. Default: a corpus built from the Python standard library."})
+    corpus_bytes: int = field(default=2_000_000, metadata={"help": "Size of the standard-library corpus."})
+    block_size: int = field(default=128, metadata={"help": "Tokens per training sequence."})
+    validation_fraction: float = field(default=0.02, metadata={"help": "Share of blocks held out for evaluation."})
+
+
+DEMO_DEFAULTS = dict(max_steps=150, per_device_train_batch_size=8, per_device_eval_batch_size=16,
+                     learning_rate=3e-3, warmup_steps=10, logging_steps=25, save_strategy="no",
+                     report_to="none", eval_strategy="no", disable_tqdm=True, seed=0)
+
+
+def build_model(m: ModelArguments, vocab_size: int, block_size: int):
+    if m.model_type == "gpt2":
+        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=m.n_embd,
+                                          n_layer=m.n_layer, n_head=m.n_head))
+    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=m.n_embd, intermediate_size=4 * m.n_embd,
+                                        num_hidden_layers=m.n_layer, num_attention_heads=m.n_head,
+                                        num_key_value_heads=m.n_head, max_position_embeddings=block_size))
+
+
+def parse(argv: list[str]):
+    parser = HfArgumentParser((ModelArguments, DataArguments, StreamTrainingArguments))
+    parser.set_defaults(**DEMO_DEFAULTS)
+    if not any(a == "--output_dir" or a.startswith("--output_dir=") for a in argv):
+        argv = [*argv, "--output_dir", "runs/demo"]
+    return parser.parse_args_into_dataclasses(args=argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    model_args, data_args, args = parse(sys.argv[1:] if argv is None else argv)
+    out = Path(args.output_dir)
+
+    with args.main_process_first(desc="building the corpus and the dataset"):
+        files = data_args.data_files or [str(build_stdlib_corpus(out / "data", data_args.corpus_bytes))]
+        tokenizer = (byte_tokenizer() if model_args.tokenizer == "bytes"
+                     else train_bpe_tokenizer(files, vocab_size=model_args.bpe_vocab_size))
+        splits = load_text_dataset(files, tokenizer, block_size=data_args.block_size,
+                                   validation_fraction=data_args.validation_fraction, seed=args.seed)
+    train_ds = splits["train"] if data_args.validation_fraction > 0 else splits
+    eval_ds = splits["validation"] if data_args.validation_fraction > 0 else None
+
+    model = build_model(model_args, len(tokenizer), data_args.block_size)
+    trainer = StreamTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
+                            processing_class=tokenizer)
+    trainer.train()
+    report = trainer.stream_report()
+    metrics = trainer.evaluate() if eval_ds is not None else {}
+
+    if trainer.is_world_process_zero():
+        trainer.save_model(str(out / "model"))
+        (out / "stream_report.json").write_text(json.dumps(report, indent=2, default=float))
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
+        pictures = [plot_breakdown(report, out / "breakdown.png",
+                                   title=f"{args.world_size} rank(s), grad_sync={trainer.grad_sync_mode}"),
+                    plot_loss(trainer.state.log_history, out / "loss.png")]
+        print("\n" + str(report))
+        if "eval_loss" in metrics:
+            print(f"\neval loss {metrics['eval_loss']:.3f} (perplexity {math.exp(min(metrics['eval_loss'], 50)):.1f})")
+        print(f"\nrun:      {out.resolve()}")
+        print(f"model:    {(out / 'model').resolve()}")
+        print(f"logs:     {(out / 'log_history.json').resolve()}  (report: stream_report.json)")
+        print("pictures: " + "  ".join(str(p.resolve()) for p in pictures))
+    return {"report": dict(report), "metrics": metrics}
+
+
+if __name__ == "__main__":
+    main()
