@@ -1,0 +1,146 @@
+"""Device-agnostic streams and events: one small API over CUDA, XPU, ... without a device string.
+
+Built on ``torch.accelerator``, ``torch.Stream`` and ``torch.Event`` (PyTorch >= 2.6, the
+oldest torch hfstream supports), with a fallback through ``torch.get_device_module(device)``
+for any piece the installed torch or backend lacks.
+The semantics are those of PyTorch's CUDA notes ("CUDA semantics: asynchronous execution,
+CUDA streams"): work on one stream runs in order, work on different streams may overlap, and
+an event recorded on one stream and waited on by another is the only ordering between them.
+
+Used by ``StreamPrefetcher`` (side stream for host-to-device copies) and, later, by
+``GradSync`` (communication stream) and the timeline (timing events).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Union
+
+import torch
+
+DeviceLike = Union[str, int, torch.device, None]
+
+# Stream priorities in PyTorch's convention: 0 is the default, negative is more urgent.
+# torch.Stream documents "0 or negative"; torch.cuda.Stream maps out-of-range values to the
+# nearest valid one, so -1 asks for the backend's high-priority pool wherever one exists.
+PRIORITIES = {"normal": 0, "high": -1}
+
+
+def default_device() -> torch.device:
+    """The current accelerator with its index (e.g. ``cuda:0``) if one is available, else CPU."""
+    if not torch.accelerator.is_available():
+        return torch.device("cpu")
+    dev = torch.accelerator.current_accelerator()
+    return torch.device(dev.type, _current_index(dev.type))
+
+
+def _current_index(device_type: str) -> int:
+    for name in ("current_device_index", "current_device_idx"):   # the second is the older name
+        fn = getattr(torch.accelerator, name, None)
+        if fn is not None:
+            return int(fn())
+    return int(torch.get_device_module(device_type).current_device())
+
+
+def is_accelerator(device: DeviceLike) -> bool:
+    """True for a device with streams (CUDA, XPU, ...); False for CPU and meta."""
+    return torch.device(device).type not in ("cpu", "meta")
+
+
+def resolve_device(device: DeviceLike, arg: str = "device") -> torch.device:
+    """Turn ``device`` into a usable ``torch.device`` with an index, or raise a clear error.
+
+    Args:
+        device: ``None`` (the current accelerator, else CPU), a string, an index or a device.
+        arg: the caller's argument name, used in the error message.
+    """
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"{arg}={device!r} is not a device; pass a torch.device, a string such as 'cpu' or "
+            f"the accelerator's type, or None for the current accelerator"
+        ) from exc
+    if dev.type == "cpu":
+        return dev
+    available = default_device()
+    if dev.type != available.type:
+        raise ValueError(
+            f"{arg}={device!r} is not available on this machine (the available device is "
+            f"{available}); pass None to use the current accelerator (or CPU), or {str(available)!r}"
+        )
+    if dev.index is None:
+        dev = torch.device(dev.type, _current_index(dev.type))
+    count = torch.get_device_module(dev.type).device_count()
+    if dev.index >= count:
+        raise ValueError(f"{arg}={device!r} does not exist: this machine has {count} {dev.type} device(s)")
+    return dev
+
+
+def stream_priority(priority: Union[str, int], arg: str = "priority") -> int:
+    """Map ``"high"``/``"normal"`` (or a backend integer, lower = more urgent) to a stream priority."""
+    if isinstance(priority, bool) or not isinstance(priority, (str, int)):
+        raise TypeError(f"{arg} must be 'high', 'normal' or an int (0 or negative), got {priority!r}")
+    if isinstance(priority, str):
+        if priority not in PRIORITIES:
+            raise ValueError(f"{arg}={priority!r} is not one of {sorted(PRIORITIES)}; pass 'high' or 'normal'")
+        return PRIORITIES[priority]
+    return priority
+
+
+def new_stream(device: DeviceLike, priority: Union[str, int] = "normal"):
+    """A new side stream on ``device`` (an accelerator) with the given priority."""
+    dev = torch.device(device)
+    prio = stream_priority(priority)
+    if hasattr(torch, "Stream"):
+        try:
+            return torch.Stream(device=dev, priority=prio)
+        except (RuntimeError, TypeError):
+            pass   # backend without generic-stream support in this torch: use its own class
+    return torch.get_device_module(dev.type).Stream(device=dev, priority=prio)
+
+
+def current_stream(device: DeviceLike):
+    """The stream that work on ``device`` is issued to right now (per thread)."""
+    dev = torch.device(device)
+    if hasattr(torch.accelerator, "current_stream"):
+        return torch.accelerator.current_stream(dev)
+    return torch.get_device_module(dev.type).current_stream(dev)
+
+
+@contextlib.contextmanager
+def use_stream(stream) -> Iterator[None]:
+    """Make ``stream`` current on its device inside the block, then restore the previous one."""
+    if hasattr(stream, "__enter__"):       # torch.Stream is a context manager in recent torch
+        with stream:
+            yield
+        return
+    with torch.get_device_module(stream.device.type).stream(stream):
+        yield
+
+
+def new_event(device: DeviceLike, enable_timing: bool = False):
+    """A new event on ``device``; ``enable_timing`` only where ``elapsed_time`` will be read (it costs)."""
+    dev = torch.device(device)
+    if hasattr(torch, "Event"):
+        try:
+            return torch.Event(device=dev, enable_timing=enable_timing)
+        except (RuntimeError, TypeError):
+            pass
+    return torch.get_device_module(dev.type).Event(enable_timing=enable_timing)
+
+
+def wait_event(event, stream) -> None:
+    """Make ``stream`` (not the host) wait until ``event`` has completed."""
+    stream.wait_event(event)
+
+
+def record_stream(tensor: torch.Tensor, stream) -> None:
+    """Tell the caching allocator that ``tensor`` is used on ``stream``.
+
+    Its memory is then not reused after ``tensor`` is freed until the work queued on ``stream``
+    up to that free has finished (PyTorch docs: ``Tensor.record_stream``).
+    """
+    tensor.record_stream(stream)
