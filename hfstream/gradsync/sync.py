@@ -1,0 +1,490 @@
+"""GradSync: bucketed gradient all-reduce, launched from gradient hooks while backward still runs.
+
+The idea is PyTorch DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating
+Data Parallel Training", VLDB 2020, section 3.2): backward produces gradients roughly in reverse
+registration order, so group them into buckets (see `buckets.py`) and launch each bucket's
+all-reduce *asynchronously* the moment its last gradient exists. The reduction of the last
+layers' gradients then runs while backward computes the first layers' gradients, and only the
+tail of the communication is left to wait for at the end. Unlike DDP this hooks the module in
+place: there is no wrapper, so ``state_dict`` keys, ``save_pretrained`` and ``unwrap_model``
+see the model exactly as before.
+
+Where gradients leave and where they come back:
+
+    _on_grad_ready   a parameter's gradient is accumulated (``register_post_accumulate_grad_hook``)
+    _launch          every bucket that is complete is copied into its flat buffer, scaled by
+                     1/world_size, and all-reduced with ``async_op=True`` -- in plan order only
+    finish()         launches what is left, waits, and copies the mean back into ``.grad``
+
+Two rules keep every rank's collectives matched, which is what stops a rank from hanging:
+buckets are launched in the same (plan) order on every rank, even if a later bucket is complete
+first; and every bucket is launched every synchronised step, even if a parameter got no
+gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
+
+    >>> sync = GradSync(model, bucket_mb=25.0)                    # doctest: +SKIP
+    >>> with sync.no_sync():                                      # accumulation micro-step
+    ...     model(**batch).loss.backward()                        # doctest: +SKIP
+    >>> model(**last_batch).loss.backward()                       # launches buckets as it goes
+    >>> sync.finish()                                             # .grad is now the mean over ranks
+    >>> optimizer.step(); optimizer.zero_grad()                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .. import streams
+from .buckets import Bucket, bucket_cap_bytes, plan_buckets
+
+logger = logging.getLogger(__name__)
+
+MODES = ("overlap", "serial")
+STREAM_PRIORITIES = ("high", "normal")
+COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+_BROADCAST_MB = 64.0   # chunk size of the coalesced broadcast at construction
+
+# Which GradSync hooks a parameter, so that a second one on the same model is refused instead of
+# reducing every gradient twice. Keyed weakly by tensor identity (tensors compare elementwise),
+# with weak values: it keeps nothing alive and changes nothing the model pickles or saves.
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+@dataclass
+class SyncStats:
+    """The last synchronised step's communication, as the step report and the timeline read it.
+
+    Args:
+        comm_busy_ms: time at least one reduction was in flight (union of the bucket spans).
+        exposed_comm_ms: time ``finish()`` kept the caller waiting, from entering it until every
+            reduction had completed (launching leftover buckets included, copying back excluded).
+            On an accelerator: the time the compute stream stalled waiting, from events.
+        num_collectives: all-reduces launched in that step (one per bucket).
+        bucket_spans: ``(bucket index, launch time, finish time)`` in ``time.perf_counter()``
+            seconds, in launch order. On an accelerator the span's length comes from device
+            events and is placed at the host time the first bucket was launched.
+    """
+
+    comm_busy_ms: float = 0.0
+    exposed_comm_ms: float = 0.0
+    num_collectives: int = 0
+    bucket_spans: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+class _BucketState:
+    """One bucket at run time: its parameters, flat buffer, in-flight work and readiness."""
+
+    def __init__(self, plan: Bucket, params: list[torch.nn.Parameter], wire_dtype: torch.dtype):
+        self.plan, self.params, self.wire_dtype = plan, params, wire_dtype
+        self.offsets, offset = [], 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.buffer: torch.Tensor | None = None   # allocated at first launch, then reused
+        self.reset()
+
+    def reset(self) -> None:
+        n = len(self.params)
+        self.used = [False] * n    # got a gradient since the last finish() (no_sync steps too)
+        self.ready = [False] * n   # got one in the current synchronised backward
+        self.pending = n
+        self.work = self.done = None
+        self.launch_time = self.end_time = self.start_event = self.end_event = None
+
+
+def _union_s(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of ``[start, end]`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def _parse_comm_dtype(comm_dtype) -> torch.dtype | None:
+    if comm_dtype is None or comm_dtype in (torch.bfloat16, torch.float16):
+        return comm_dtype
+    if isinstance(comm_dtype, str) and comm_dtype.lower() in COMM_DTYPES:
+        return COMM_DTYPES[comm_dtype.lower()]
+    raise ValueError(
+        f"comm_dtype={comm_dtype!r} is not valid; accepted values: None (the gradients' own dtype), "
+        f"'bf16' or torch.bfloat16, 'fp16' or torch.float16"
+    )
+
+
+class GradSync:
+    """Average gradients over data-parallel ranks, overlapping the all-reduce with backward.
+
+    Args:
+        model: the module to hook, in place (no wrapper).
+        bucket_mb: cap per bucket in MiB; 0 = one parameter per bucket, ``float('inf')`` = one
+            bucket per (dtype, device). A parameter is never split.
+        mode: ``"overlap"`` launches each bucket from the gradient hooks as soon as it is
+            complete; ``"serial"`` communicates nothing during backward and reduces every bucket
+            in ``finish()`` (the baseline that shows what overlap buys).
+        process_group: the data-parallel group; None = the default group.
+        comm_dtype: None sends gradients in their own dtype; ``"bf16"``/``"fp16"`` (or the torch
+            dtypes) compress floating-point buckets on the wire. Gradients are scaled by
+            1/world_size in their own precision before the cast, summed in ``comm_dtype``, and
+            cast back: the mean then differs from the uncompressed one by about one rounding of
+            ``comm_dtype`` per rank (relative 2**-8 for bf16, 2**-11 for fp16), and since each
+            rank sends values no larger than the mean's, fp16 cannot overflow where the mean fits.
+        comm_stream_priority: ``"high"`` or ``"normal"``: priority of the side stream on which
+            an accelerator packs buckets and issues the collectives, so that packing is not
+            queued behind backward kernels. NCCL runs its kernels on the process group's own
+            stream, whose priority is fixed when the group is created
+            (``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` as ``pg_options``);
+            GradSync does not create communicators of its own. No effect on CPU/gloo.
+
+    Parameters without a gradient: a parameter whose hook did not fire in the synchronised
+    backward still travels in its bucket, so all ranks launch the same collectives and none
+    hangs. It contributes its current ``.grad`` (what accumulated under ``no_sync()``) or zeros.
+    Its bucket cannot complete before ``finish()``, so it -- and, to keep the launch order equal
+    on every rank, every later bucket -- is launched from ``finish()``. Each bucket also carries
+    one "used" flag per parameter: after the reduction, a parameter that *no* rank used since the
+    last ``finish()`` keeps its ``.grad`` untouched (None stays None, so the optimizer skips it,
+    as it would without data parallelism); one that some rank used gets the mean, with zeros for
+    the ranks that did not use it. Both match ``DistributedDataParallel(find_unused_parameters=True)``.
+
+    Limits: reentrant activation checkpointing (``use_reentrant=True``) fires a parameter's hook
+    once per checkpointed segment that uses it; if that is more than once, ``finish()``-less
+    double reduction would follow, so it raises (use ``use_reentrant=False``). Sparse gradients
+    are not supported.
+
+    Attributes:
+        buckets: the plan, a list of `Bucket` (index, names, numel, nbytes, dtype, device).
+        require_backward_grad_sync: False makes the hooks only record that a gradient arrived,
+            as under ``no_sync()`` (the name DDP and Accelerate use).
+        world_size: ranks in the group; 1 (or no process group) means GradSync does nothing.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        bucket_mb: float = 25.0,
+        mode: str = "overlap",
+        process_group: dist.ProcessGroup | None = None,
+        comm_dtype: str | torch.dtype | None = None,
+        comm_stream_priority: str = "high",
+    ):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not valid; accepted values: 'overlap' (reduce during backward), "
+                             f"'serial' (reduce everything in finish())")
+        bucket_cap_bytes(bucket_mb)
+        if comm_stream_priority not in STREAM_PRIORITIES:
+            raise ValueError(f"comm_stream_priority={comm_stream_priority!r} is not valid; accepted values: "
+                             f"'high', 'normal'")
+        self.model, self.mode, self.bucket_mb = model, mode, float(bucket_mb)
+        self.comm_dtype = _parse_comm_dtype(comm_dtype)
+        self.comm_stream_priority = comm_stream_priority
+        self.require_backward_grad_sync = True
+
+        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        for _, p in named:
+            owner = _OWNERS.get(p)
+            if owner is not None and owner() is not None:
+                raise RuntimeError(
+                    f"this model is already hooked by {owner()!r}; call close() on it (or leave its "
+                    f"`with` block) before constructing another GradSync, or every gradient is reduced twice"
+                )
+        self.buckets: list[Bucket] = plan_buckets(named, bucket_mb)
+
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+        self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
+        self._active = self.world_size > 1
+        self._handles: list = []
+        self._states: list[_BucketState] = []
+        self._streams: dict[torch.device, object] = {}
+        self._lock = threading.Lock()   # hooks may run on several autograd device threads
+        self._stats = SyncStats()
+        self._pending_stats = None       # device events of the last step, resolved when read
+        self._reset_step()
+        if self._active:
+            if dist.get_rank(process_group) < 0:
+                raise ValueError("process_group does not contain this rank; construct GradSync only on its members")
+            self._broadcast_from_rank0()
+            by_name = dict(named)
+            for plan in self.buckets:
+                wire = self.comm_dtype if (self.comm_dtype is not None and plan.dtype.is_floating_point) else plan.dtype
+                self._states.append(_BucketState(plan, [by_name[n] for n in plan.names], wire))
+                if streams.is_accelerator(plan.device) and plan.device not in self._streams:
+                    self._streams[plan.device] = streams.new_stream(plan.device, comm_stream_priority)
+            for st in self._states:
+                for slot, p in enumerate(st.params):
+                    hook = functools.partial(self._on_grad_ready, st.plan.index, slot)
+                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
+            self._hint_nccl_priority()
+        for _, p in named:
+            _OWNERS[p] = weakref.ref(self)
+        self._owned = [p for _, p in named]
+
+    # -- construction ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        # Every rank must start from the same weights: averaging gradients of different models
+        # averages nonsense. Coalesced into a few flat chunks instead of one collective per tensor.
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        by_name = dict(tensors)
+        src = dist.get_global_rank(self.process_group, 0)
+        for chunk in plan_buckets(tensors, _BROADCAST_MB):
+            members = [by_name[n] for n in chunk.names]
+            flat = torch.cat([t.detach().reshape(-1) for t in members])
+            dist.broadcast(flat, src=src, group=self.process_group)
+            offset = 0
+            for t in members:
+                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+
+    def _hint_nccl_priority(self) -> None:
+        if self.comm_stream_priority != "high" or not self._streams:
+            return
+        try:
+            if "nccl" not in str(dist.get_backend(self.process_group)):
+                return
+            device = next(iter(self._streams))
+            high = self.process_group._get_backend(device).options.is_high_priority_stream
+        except Exception:   # private accessor: a hint is not worth an error
+            return
+        if not high:
+            logger.info("GradSync: NCCL kernels run on the process group's own stream at normal priority; "
+                        "create the group with pg_options=ProcessGroupNCCL.Options(is_high_priority_stream=True) "
+                        "to raise it (GradSync packs buckets on a high-priority stream either way)")
+
+    # -- where gradients leave -------------------------------------------------------------------
+    def _on_grad_ready(self, index: int, slot: int, param: torch.Tensor) -> None:
+        with self._lock:
+            st = self._states[index]
+            st.used[slot] = True
+            if not self.require_backward_grad_sync:
+                return   # accumulation micro-step: the gradient just accumulates locally
+            self._sync_pending = True
+            if self.mode == "serial":
+                return
+            if st.work is not None:
+                raise RuntimeError(
+                    f"GradSync: parameter {st.plan.names[slot]!r} received another gradient after its bucket "
+                    f"{index} was launched. Call finish() after every synchronised backward, run earlier "
+                    f"backward passes under no_sync(), and use checkpoint(..., use_reentrant=False)"
+                )
+            if not st.ready[slot]:
+                st.ready[slot] = True
+                st.pending -= 1
+            # Launch in plan order only: collectives are matched by the order they are issued, so a
+            # bucket that completes early waits for the ones before it (they complete soon after).
+            while self._next < len(self._states) and self._states[self._next].pending == 0:
+                self._launch(self._states[self._next])
+
+    def _launch(self, st: _BucketState) -> None:
+        device = st.plan.device
+        stream = self._streams.get(device)
+        if st.buffer is None:
+            st.buffer = torch.empty(st.plan.numel + len(st.params), dtype=st.wire_dtype, device=device)
+        if stream is not None:
+            # The gradients were written on the compute stream; the side stream must not read earlier.
+            stream.wait_stream(streams.current_stream(device))
+        with streams.use_stream(stream) if stream is not None else contextlib.nullcontext():
+            self._pack(st, stream)
+            if stream is not None:
+                st.start_event = streams.new_event(device, enable_timing=True)
+                st.start_event.record(stream)
+            st.launch_time = time.perf_counter()
+            st.work = dist.all_reduce(st.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            st.done = st.work.get_future().then(functools.partial(self._mark_done, st))
+        self._launch_order.append(st.plan.index)
+        self._next += 1
+
+    @torch.no_grad()
+    def _pack(self, st: _BucketState, stream) -> None:
+        flat = st.buffer
+        for slot, p in enumerate(st.params):
+            dst = flat[st.offsets[slot]:st.offsets[slot] + p.numel()].view(p.shape)
+            grad = p.grad
+            if grad is None:
+                dst.zero_()   # no gradient on this rank: it contributes zeros to the mean
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"GradSync does not support sparse gradients ({st.plan.names[slot]!r})")
+            if stream is not None:
+                streams.record_stream(grad, stream)   # keep its memory until the side stream has read it
+            # Divide before the sum, in the gradient's precision (fp32 for fp32 grads): sum(g_r / N)
+            # is the mean, and a compressed wire dtype then never carries more than the mean's range.
+            torch.div(grad, self.world_size, out=dst)
+        flags = flat[st.plan.numel:]
+        if all(st.used):
+            flags.fill_(1)
+        else:
+            flags.copy_(torch.tensor([float(u) for u in st.used], dtype=flat.dtype))
+
+    def _mark_done(self, st: _BucketState, _fut) -> None:
+        # Runs when the work completes (gloo: on its thread). On an accelerator the current stream
+        # here is synchronised with the collective, so an event recorded on it marks its end.
+        if st.start_event is not None:
+            st.end_event = streams.new_event(st.plan.device, enable_timing=True)
+            st.end_event.record(streams.current_stream(st.plan.device))
+        else:
+            st.end_time = time.perf_counter()
+
+    # -- where gradients come back ---------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch the buckets not launched yet, wait for all, write the mean into ``.grad``.
+
+        A no-op when no synchronised backward ran since the last call (before the first
+        backward, twice in a row, or after a backward under ``no_sync()``).
+
+        Raises:
+            RuntimeError: when a reduction did not complete (typically a peer rank skipped the
+                step and the process group's timeout expired), naming the buckets and parameters.
+        """
+        if not self._active or not self._sync_pending:
+            return
+        t_enter = time.perf_counter()
+        waits = {}   # per device: (event before, event after) the compute stream waits for comm
+        for d in self._streams:
+            waits[d] = (streams.new_event(d, enable_timing=True), streams.new_event(d, enable_timing=True))
+            waits[d][0].record(streams.current_stream(d))
+        with self._lock:
+            while self._next < len(self._states):
+                self._launch(self._states[self._next])
+        failed, error = [], None
+        for st in self._states:
+            try:
+                st.work.wait()
+            except Exception as exc:   # gloo raises once the process group's timeout expires
+                failed.append(st)
+                error = error or exc
+        if failed:
+            self._reset_step()
+            names = [n for st in failed for n in st.plan.names]
+            shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+            raise RuntimeError(
+                f"GradSync.finish(): the all-reduce of bucket(s) {[st.plan.index for st in failed]} did not "
+                f"complete (parameters: {shown}). A peer rank did not launch them before the process group's "
+                f"timeout: every rank must run the same synchronised backward (outside no_sync()) and call "
+                f"finish(). Underlying error: {error}"
+            ) from error
+        for st in self._states:
+            st.done.wait()
+        for d, stream in self._streams.items():
+            # work.wait() already ordered the compute stream after each collective; this also
+            # orders it after the packing, so the next step's writes to .grad cannot race it.
+            streams.current_stream(d).wait_stream(stream)
+            waits[d][1].record(streams.current_stream(d))
+        t_done = time.perf_counter()
+        for st in self._states:
+            self._unpack(st)
+        self._record_stats(t_enter, t_done, waits)
+        self._reset_step()
+
+    finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
+
+    def _unpack(self, st: _BucketState) -> None:
+        flat = st.buffer
+        used_anywhere = None
+        if not all(st.used):
+            # Only a bucket with a parameter unused here needs the flags on the host (a device sync).
+            used_anywhere = (flat[st.plan.numel:] > 0).tolist()
+        for slot, p in enumerate(st.params):
+            if used_anywhere is not None and not used_anywhere[slot]:
+                continue   # no rank used it: leave .grad untouched (None stays None), as DDP does
+            src = flat[st.offsets[slot]:st.offsets[slot] + p.numel()].view(p.shape)
+            # Read .grad now, not at launch: zero_grad(set_to_none=...) may have replaced it.
+            if p.grad is None:
+                p.grad = torch.empty_like(p).copy_(src)
+            else:
+                p.grad.copy_(src)
+
+    def _record_stats(self, t_enter: float, t_done: float, waits: dict) -> None:
+        order = [self._states[i] for i in self._launch_order]
+        self._pending_stats = ([(st.plan.index, st.plan.device, st.launch_time, st.end_time, st.start_event,
+                                 st.end_event) for st in order], (t_done - t_enter) * 1e3, waits)
+        if not self._streams:
+            self.stats   # host times only: resolve now, nothing to wait for
+
+    @property
+    def stats(self) -> SyncStats:
+        """The last synchronised step's `SyncStats` (on an accelerator, reading waits for its events)."""
+        if self._pending_stats is not None:
+            launches, host_exposed_ms, waits = self._pending_stats
+            self._pending_stats = None
+            # Device spans are measured from the device's first start event and placed at the
+            # host time that bucket was launched: lengths and gaps are exact, the anchor is not.
+            anchors: dict[torch.device, tuple[float, object]] = {}
+            spans = []
+            for index, device, launched, ended, start, end in launches:
+                if start is None:
+                    spans.append((index, launched, ended))
+                    continue
+                t0, ref = anchors.setdefault(device, (launched, start))
+                spans.append((index, t0 + ref.elapsed_time(start) / 1e3, t0 + ref.elapsed_time(end) / 1e3))
+            exposed = host_exposed_ms
+            if waits:   # what the compute stream(s) spent waiting, not what the host spent queueing
+                exposed = max(before.elapsed_time(after) for before, after in waits.values())
+            self._stats = SyncStats(
+                comm_busy_ms=_union_s([(a, b) for _, a, b in spans]) * 1e3,
+                exposed_comm_ms=exposed,
+                num_collectives=len(spans),
+                bucket_spans=spans,
+            )
+        return self._stats
+
+    # -- control ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip communication for backward passes inside the block; gradients accumulate locally."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def _reset_step(self) -> None:
+        for st in self._states:
+            st.reset()
+        self._next = 0                  # next bucket to launch, in plan order
+        self._launch_order: list[int] = []
+        self._sync_pending = False      # a hook fired outside no_sync() since the last finish()
+
+    def close(self) -> None:
+        """Remove every hook and release the buffers; a new GradSync may then hook the model.
+
+        Reductions still in flight are abandoned, not waited for (call ``finish()`` first).
+        """
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for p in self._owned:
+            owner = _OWNERS.get(p)
+            if owner is not None and owner() is self:
+                del _OWNERS[p]
+        self._owned = []
+        self._reset_step()
+        for st in self._states:
+            st.buffer = None
+        self._active = False
+
+    def __enter__(self) -> "GradSync":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"GradSync(mode={self.mode!r}, world_size={self.world_size}, buckets={len(self.buckets)}, "
+                f"bucket_mb={self.bucket_mb}, comm_dtype={self.comm_dtype}, active={self._active})")
