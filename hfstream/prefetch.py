@@ -396,13 +396,15 @@ class StreamPrefetcher:
             host memory to be asynchronous).
         skip_keys: mapping keys whose values stay on the host, unchanged.
         stream_priority: ``"normal"``, ``"high"`` or a backend integer for the side stream.
-        pin_memory: pin host tensors before copying. ``None`` (auto): pin on an accelerator when
-            copying with ``non_blocking``, and stop trying if the backend cannot pin.
+        pin_memory: pin host tensors before copying (accelerator, ``depth >= 1`` only; tensors
+            already pinned are left alone). ``None`` (auto): pin when ``non_blocking``, and stop
+            trying if the backend cannot pin.
         time_copies: measure ``stats.copy_ms``/``copy_gbps`` with timing events (costs a little).
 
     Stopping early (``break``, an exception, garbage collection, ``close()``, leaving a ``with``
     block) stops the thread and frees the batches in flight. An exception from ``iterable``
-    surfaces at the step that would have consumed that batch, after the batches before it.
+    surfaces at the step that would have consumed that batch, after the batches before it;
+    that epoch then ends.
 
     >>> for batch in StreamPrefetcher(loader, device=device, depth=2, skip_keys=("ids",)):
     ...     loss = model(**batch).loss
