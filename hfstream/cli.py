@@ -34,14 +34,16 @@ def demo_command(extra: list[str], num_devices: int | None = None) -> list[str]:
     script = REPO / "recipes" / "train_clm.py"
     if not script.is_file():
         raise SystemExit(f"hfstream demo: {script} not found; run it from a clone of the hfstream repository")
+    threads: list[str] = []
     if n == 0:
         config, procs = configs / "cpu_2proc.yaml", 2
+        threads = ["--num_cpu_threads_per_process", "1"]   # 2 ranks on 2 cores: one thread each
     elif n == 1:
         config, procs = configs / "1gpu.yaml", 1
     else:
         config, procs = configs / "8gpu.yaml", n
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-            "--num_processes", str(procs), "--main_process_port", str(free_port()), str(script), *extra]
+            "--num_processes", str(procs), *threads, "--main_process_port", str(free_port()), str(script), *extra]
 
 
 def _cmd_demo(ns) -> int:

@@ -7,7 +7,8 @@ GPT-2-style or Llama-style network from a config: nothing is downloaded.
 Launch (configs in recipes/accelerate/):
 
     # CPU, 2 processes over gloo (what `make demo` runs on a machine without a GPU)
-    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml recipes/train_clm.py --output_dir runs/demo
+    accelerate launch --config_file recipes/accelerate/cpu_2proc.yaml --num_cpu_threads_per_process 1 \
+        recipes/train_clm.py --output_dir runs/demo
 
     # one GPU
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/train_clm.py --output_dir runs/1gpu --bf16
