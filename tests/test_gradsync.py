@@ -38,15 +38,25 @@ BF16_WIRE_RTOL = 2**-6
 
 # -- models and data (module level: spawned ranks import them by name) ---------------------------
 class FrozenBiasMLP(nn.Module):
-    """Three linear layers; the first layer's bias is frozen (requires_grad=False)."""
+    """Three linear layers; the first layer's bias is frozen (requires_grad=False).
+
+    With ``checkpointing`` the two hidden layers are recomputed in backward
+    (``torch.utils.checkpoint``, non-reentrant), which changes when their hooks fire.
+    """
 
     def __init__(self):
         super().__init__()
         self.fc1, self.fc2, self.fc3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
         self.fc1.bias.requires_grad_(False)
+        self.checkpointing = False
+
+    def hidden(self, x):
+        return torch.tanh(self.fc2(torch.tanh(self.fc1(x))))
 
     def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+        if self.checkpointing:
+            return self.fc3(torch.utils.checkpoint.checkpoint(self.hidden, x, use_reentrant=False))
+        return self.fc3(self.hidden(x))
 
 
 class TiedLM(nn.Module):
@@ -132,13 +142,14 @@ def _snapshot(model, grads=False):
 
 
 def train_parity(rank, world_size, model_key, *, steps=5, accum=1, set_to_none=True, lr=0.1,
-                 reference=True, **sync_kwargs):
+                 reference=True, checkpointing=False, **sync_kwargs):
     """Train with GradSync on this rank's share; on rank 0 also train a single-process reference
     on the whole batch. Returns parameter and gradient snapshots after every step."""
     make_model, make_batch, loss_fn = MODELS[model_key]
     torch.manual_seed(100 + rank)   # different weights per rank until the broadcast
     model = make_model()
     ref = copy.deepcopy(model) if (rank == 0 and reference) else None   # rank 0 is the broadcast source
+    model.checkpointing = checkpointing   # the reference never recomputes
     sync = GradSync(model, **sync_kwargs)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     out = {"params": [], "grads": [], "ref_params": [], "ref_grads": [], "num_buckets": len(sync.buckets),
@@ -178,6 +189,7 @@ def parity_suite(rank, world_size):
     results["mlp/serial"] = train_parity(rank, world_size, "mlp", bucket_mb=0.0004, mode="serial")
     results["mlp/keep_grads"] = train_parity(rank, world_size, "mlp", bucket_mb=0.0004, set_to_none=False)
     results["mlp/accum4"] = train_parity(rank, world_size, "mlp", bucket_mb=0.0004, accum=4)
+    results["mlp/checkpointing"] = train_parity(rank, world_size, "mlp", bucket_mb=0, accum=2, checkpointing=True)
     results["tied/uncompressed"] = train_parity(rank, world_size, "tied", reference=False, bucket_mb=0.0004)
     results["tied/bf16_wire"] = train_parity(rank, world_size, "tied", reference=False, bucket_mb=0.0004,
                                              comm_dtype="bf16")
@@ -206,7 +218,7 @@ def _assert_close(got, want, rtol=RTOL, atol=ATOL, what=""):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("config", [
     "mlp/one_bucket", "mlp/several", "mlp/per_param", "tied/one_bucket", "tied/several", "tied/per_param",
-    "mlp/serial", "mlp/keep_grads", "mlp/accum4",
+    "mlp/serial", "mlp/keep_grads", "mlp/accum4", "mlp/checkpointing",
 ])
 def test_step_by_step_parity_with_single_process(parity, config):
     rank0, rank1 = parity[0][config], parity[1][config]
@@ -313,6 +325,17 @@ def behaviour_suite(rank, world_size):
     sync.finish()
     out["finish_twice"] = (len(calls), all(torch.equal(first[n], p.grad) for n, p in model.named_parameters()))
 
+    # 3b. A second backward before finish() would be overwritten by the mean: it raises instead,
+    #     and finish() still completes the reductions already launched (no rank is left waiting).
+    model.zero_grad()
+    model(x).sum().backward()
+    try:
+        model(x).sum().backward()
+        out["second_backward"] = None
+    except RuntimeError as exc:
+        out["second_backward"] = str(exc)
+    sync.finish()
+
     # 4. Overlap launches during backward; serial only inside finish(). Stats describe the step.
     big = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
     for mode in ("overlap", "serial"):
@@ -374,6 +397,12 @@ def test_finish_without_backward_and_twice_is_a_noop(behaviour):
     for res in behaviour:
         assert res["finish_before_backward"] == (0, [True] * 4)
         assert res["finish_twice"] == (0, True)
+
+
+@pytest.mark.multiprocess
+def test_second_backward_before_finish_raises(behaviour):
+    for res in behaviour:
+        assert res["second_backward"] is not None and "finish()" in res["second_backward"]
 
 
 @pytest.mark.multiprocess

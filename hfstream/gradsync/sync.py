@@ -157,10 +157,12 @@ class GradSync:
     as it would without data parallelism); one that some rank used gets the mean, with zeros for
     the ranks that did not use it. Both match ``DistributedDataParallel(find_unused_parameters=True)``.
 
-    Limits: reentrant activation checkpointing (``use_reentrant=True``) fires a parameter's hook
-    once per checkpointed segment that uses it; if that is more than once, ``finish()``-less
-    double reduction would follow, so it raises (use ``use_reentrant=False``). Sparse gradients
-    are not supported.
+    Limits: the hooked parameters are those requiring grad at construction; unfreezing one later
+    needs a new GradSync (``close()`` the old one first). A gradient that arrives after its bucket
+    was launched (a second backward before ``finish()``; reentrant activation checkpointing with a
+    parameter used in several checkpointed segments) raises instead of being lost: call
+    ``finish()`` after each synchronised backward and use ``checkpoint(..., use_reentrant=False)``,
+    which works in any hook order. Sparse gradients are not supported.
 
     Attributes:
         buckets: the plan, a list of `Bucket` (index, names, numel, nbytes, dtype, device).
@@ -188,6 +190,7 @@ class GradSync:
             raise ValueError(f"comm_stream_priority={comm_stream_priority!r} is not valid; accepted values: "
                              f"'high', 'normal'")
         self.model, self.mode, self.bucket_mb = model, mode, float(bucket_mb)
+        self._owned: list[torch.Tensor] = []
         self.comm_dtype = _parse_comm_dtype(comm_dtype)
         self.comm_stream_priority = comm_stream_priority
         self.require_backward_grad_sync = True
@@ -229,9 +232,9 @@ class GradSync:
                     hook = functools.partial(self._on_grad_ready, st.plan.index, slot)
                     self._handles.append(p.register_post_accumulate_grad_hook(hook))
             self._hint_nccl_priority()
-        for _, p in named:
-            _OWNERS[p] = weakref.ref(self)
         self._owned = [p for _, p in named]
+        for p in self._owned:
+            _OWNERS[p] = weakref.ref(self)
 
     # -- construction ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -269,18 +272,19 @@ class GradSync:
     def _on_grad_ready(self, index: int, slot: int, param: torch.Tensor) -> None:
         with self._lock:
             st = self._states[index]
+            if st.work is not None:
+                # finish() would overwrite this contribution with the mean computed without it.
+                raise RuntimeError(
+                    f"GradSync: parameter {st.plan.names[slot]!r} received another gradient after its bucket "
+                    f"{index} was launched. Call finish() after every synchronised backward, run earlier "
+                    f"backward passes under no_sync(), and use checkpoint(..., use_reentrant=False)"
+                )
             st.used[slot] = True
             if not self.require_backward_grad_sync:
                 return   # accumulation micro-step: the gradient just accumulates locally
             self._sync_pending = True
             if self.mode == "serial":
                 return
-            if st.work is not None:
-                raise RuntimeError(
-                    f"GradSync: parameter {st.plan.names[slot]!r} received another gradient after its bucket "
-                    f"{index} was launched. Call finish() after every synchronised backward, run earlier "
-                    f"backward passes under no_sync(), and use checkpoint(..., use_reentrant=False)"
-                )
             if not st.ready[slot]:
                 st.ready[slot] = True
                 st.pending -= 1
@@ -374,9 +378,9 @@ class GradSync:
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             raise RuntimeError(
                 f"GradSync.finish(): the all-reduce of bucket(s) {[st.plan.index for st in failed]} did not "
-                f"complete (parameters: {shown}). A peer rank did not launch them before the process group's "
-                f"timeout: every rank must run the same synchronised backward (outside no_sync()) and call "
-                f"finish(). Underlying error: {error}"
+                f"complete (parameters: {shown}). A peer rank did not launch the same buckets in the same order "
+                f"before the process group's timeout, or stopped: every rank must run the same synchronised "
+                f"backward (outside no_sync()) and call finish(). Underlying error: {error}"
             ) from error
         for st in self._states:
             st.done.wait()
@@ -430,10 +434,13 @@ class GradSync:
                 if start is None:
                     spans.append((index, launched, ended))
                     continue
+                end.synchronize()   # elapsed_time needs both events completed
                 t0, ref = anchors.setdefault(device, (launched, start))
                 spans.append((index, t0 + ref.elapsed_time(start) / 1e3, t0 + ref.elapsed_time(end) / 1e3))
             exposed = host_exposed_ms
             if waits:   # what the compute stream(s) spent waiting, not what the host spent queueing
+                for _, after in waits.values():
+                    after.synchronize()
                 exposed = max(before.elapsed_time(after) for before, after in waits.values())
             self._stats = SyncStats(
                 comm_busy_ms=_union_s([(a, b) for _, a, b in spans]) * 1e3,
