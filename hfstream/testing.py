@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -64,7 +65,9 @@ def _worker(fn, rank, world_size, port, args, kwargs, init_process_group, pg_tim
                 timeout=datetime.timedelta(seconds=pg_timeout_s),
             )
         out = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", out))
+        # Plain pickle, not the queue's: torch would share tensors through file descriptors
+        # that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including SystemExit from a launcher
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -136,7 +139,10 @@ def run_on_ranks(
                     if r not in outputs and r not in errors and p.exitcode not in (None, 0):
                         errors[r] = f"process exited with code {p.exitcode} without reporting"
                 continue
-            (outputs if status == "ok" else errors)[rank] = payload
+            if status == "ok":
+                outputs[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
             if status != "ok":
                 # Give the peers a moment to fail on their own (their messages help), then stop.
                 deadline = min(deadline, time.monotonic() + 5.0)
