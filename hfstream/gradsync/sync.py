@@ -135,11 +135,14 @@ class GradSync:
             in ``finish()`` (the baseline that shows what overlap buys).
         process_group: the data-parallel group; None = the default group.
         comm_dtype: None sends gradients in their own dtype; ``"bf16"``/``"fp16"`` (or the torch
-            dtypes) compress floating-point buckets on the wire. Gradients are scaled by
-            1/world_size in their own precision before the cast, summed in ``comm_dtype``, and
-            cast back: the mean then differs from the uncompressed one by about one rounding of
-            ``comm_dtype`` per rank (relative 2**-8 for bf16, 2**-11 for fp16), and since each
-            rank sends values no larger than the mean's, fp16 cannot overflow where the mean fits.
+            dtypes) compress floating-point buckets on the wire. Each rank scales its gradient
+            by 1/world_size in the gradient's own precision (fp32 for fp32 gradients), casts,
+            the sum runs in ``comm_dtype``, and the result is cast back into ``.grad``. The mean
+            then differs from the uncompressed one by a few roundings of ``comm_dtype`` (unit
+            roundoff 2**-8 for bf16, 2**-11 for fp16; the tests allow 2**-6 and 2**-9 of each
+            tensor's largest entry). Scaling before the cast keeps every partial sum within
+            the largest single-rank gradient, so fp16 overflows only where a rank's own
+            gradient would.
         comm_stream_priority: ``"high"`` or ``"normal"``: priority of the side stream on which
             an accelerator packs buckets and issues the collectives, so that packing is not
             queued behind backward kernels. NCCL runs its kernels on the process group's own
@@ -207,6 +210,8 @@ class GradSync:
 
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
+        if process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError("process_group does not contain this rank; construct GradSync only on its members")
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self._active = self.world_size > 1
@@ -218,8 +223,6 @@ class GradSync:
         self._pending_stats = None       # device events of the last step, resolved when read
         self._reset_step()
         if self._active:
-            if dist.get_rank(process_group) < 0:
-                raise ValueError("process_group does not contain this rank; construct GradSync only on its members")
             self._broadcast_from_rank0()
             by_name = dict(named)
             for plan in self.buckets:
@@ -326,7 +329,7 @@ class GradSync:
             if stream is not None:
                 streams.record_stream(grad, stream)   # keep its memory until the side stream has read it
             # Divide before the sum, in the gradient's precision (fp32 for fp32 grads): sum(g_r / N)
-            # is the mean, and a compressed wire dtype then never carries more than the mean's range.
+            # is the mean, and partial sums on a compressed wire stay within max_r |g_r|.
             torch.div(grad, self.world_size, out=dst)
         flags = flat[st.plan.numel:]
         if all(st.used):
@@ -418,16 +421,20 @@ class GradSync:
         self._pending_stats = ([(st.plan.index, st.plan.device, st.launch_time, st.end_time, st.start_event,
                                  st.end_event) for st in order], (t_done - t_enter) * 1e3, waits)
         if not self._streams:
-            self.stats   # host times only: resolve now, nothing to wait for
+            self._resolve_stats()   # host times only: nothing to wait for
 
     @property
     def stats(self) -> SyncStats:
         """The last synchronised step's `SyncStats` (on an accelerator, reading waits for its events)."""
+        self._resolve_stats()
+        return self._stats
+
+    def _resolve_stats(self) -> None:
         if self._pending_stats is not None:
             launches, host_exposed_ms, waits = self._pending_stats
             self._pending_stats = None
-            # Device spans are measured from the device's first start event and placed at the
-            # host time that bucket was launched: lengths and gaps are exact, the anchor is not.
+            # Device spans are measured from the device's first start event and placed at the host
+            # time of that first launch: lengths and gaps are device times, the anchor is the host's.
             anchors: dict[torch.device, tuple[float, object]] = {}
             spans = []
             for index, device, launched, ended, start, end in launches:
@@ -448,7 +455,6 @@ class GradSync:
                 num_collectives=len(spans),
                 bucket_spans=spans,
             )
-        return self._stats
 
     # -- control ---------------------------------------------------------------------------------
     @contextlib.contextmanager
