@@ -5,17 +5,19 @@ from __future__ import annotations
 import torch
 
 
-def tiny_causal_lm(kind: str = "gpt2", vocab: int = 64, seed: int = 0):
+def tiny_causal_lm(kind: str = "gpt2", vocab: int = 64, seed: int = 0, dropout: float = 0.0):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     if kind == "gpt2":
         cfg = GPT2Config(vocab_size=vocab, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                         resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
+                         bos_token_id=0, eos_token_id=0)
         return GPT2LMHeadModel(cfg)
     if kind == "llama":
         cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                          attention_dropout=dropout, bos_token_id=0, eos_token_id=0, pad_token_id=0)
         return LlamaForCausalLM(cfg)
     raise ValueError(kind)
 
