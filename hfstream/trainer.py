@@ -18,6 +18,7 @@ Where data enters, moves to the device, where gradients leave and come back:
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -44,6 +45,17 @@ class StreamReport(dict):
 
     def __str__(self) -> str:
         return format_report(self)
+
+    def to_json(self) -> str:
+        """Strict JSON: unmeasured values (NaN) become null."""
+        def clean(x):
+            if isinstance(x, dict):
+                return {k: clean(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [clean(v) for v in x]
+            return None if isinstance(x, float) and math.isnan(x) else x
+
+        return json.dumps(clean(dict(self)), indent=2, allow_nan=False)
 
 
 class _StreamCallback(TrainerCallback):

@@ -94,11 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.output_dir)
 
     with args.main_process_first(desc="building the corpus and the dataset"):
-        files = data_args.data_files or [str(build_stdlib_corpus(out / "data", data_args.corpus_bytes))]
-        tokenizer = (byte_tokenizer() if model_args.tokenizer == "bytes"
-                     else train_bpe_tokenizer(files, vocab_size=model_args.bpe_vocab_size))
-        splits = load_text_dataset(files, tokenizer, block_size=data_args.block_size,
-                                   validation_fraction=data_args.validation_fraction, seed=args.seed)
+        try:
+            files = data_args.data_files or [str(build_stdlib_corpus(out / "data", data_args.corpus_bytes))]
+            tokenizer = (byte_tokenizer() if model_args.tokenizer == "bytes"
+                         else train_bpe_tokenizer(files, vocab_size=model_args.bpe_vocab_size))
+            splits = load_text_dataset(files, tokenizer, block_size=data_args.block_size,
+                                       validation_fraction=data_args.validation_fraction, seed=args.seed)
+        except (FileNotFoundError, ValueError) as err:   # bad input: say so, no traceback
+            raise SystemExit(f"train_clm.py: error: {err}") from None
     train_ds = splits["train"] if data_args.validation_fraction > 0 else splits
     eval_ds = splits["validation"] if data_args.validation_fraction > 0 else None
 
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if trainer.is_world_process_zero():
         trainer.save_model(str(out / "model"))
-        (out / "stream_report.json").write_text(json.dumps(report, indent=2, default=float))
+        (out / "stream_report.json").write_text(report.to_json())
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=2))
         pictures = [plot_breakdown(report, out / "breakdown.png",
                                    title=f"{args.world_size} rank(s), grad_sync={trainer.grad_sync_mode}"),
