@@ -21,12 +21,12 @@ buckets are launched in the same (plan) order on every rank, even if a later buc
 first; and every bucket is launched every synchronised step, even if a parameter got no
 gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
 
-    >>> sync = GradSync(model, bucket_mb=25.0)                    # doctest: +SKIP
-    >>> with sync.no_sync():                                      # accumulation micro-step
-    ...     model(**batch).loss.backward()                        # doctest: +SKIP
-    >>> model(**last_batch).loss.backward()                       # launches buckets as it goes
-    >>> sync.finish()                                             # .grad is now the mean over ranks
-    >>> optimizer.step(); optimizer.zero_grad()                   # doctest: +SKIP
+    sync = GradSync(model, bucket_mb=25.0)        # broadcasts rank 0's weights, plans, hooks
+    for k, batch in enumerate(micro_batches):
+        with sync.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
+            model(**batch).loss.backward()         # the last one launches buckets as it goes
+    sync.finish()                                  # .grad is now the mean over ranks
+    optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
@@ -160,8 +160,11 @@ class GradSync:
     as it would without data parallelism); one that some rank used gets the mean, with zeros for
     the ranks that did not use it. Both match ``DistributedDataParallel(find_unused_parameters=True)``.
 
-    Limits: the hooked parameters are those requiring grad at construction; unfreezing one later
-    needs a new GradSync (``close()`` the old one first). A gradient that arrives after its bucket
+    Limits: construct GradSync after the model has its final device, dtype and frozen
+    parameters (the plan and the hooks are made then; ``close()`` and construct again after a
+    change). Buffers are broadcast once, at construction: unlike DDP's ``broadcast_buffers=True``
+    they are not re-synchronised before every forward, so BatchNorm running statistics stay
+    per rank (transformers rarely carry such buffers). A gradient that arrives after its bucket
     was launched (a second backward before ``finish()``; reentrant activation checkpointing with a
     parameter used in several checkpointed segments) raises instead of being lost: call
     ``finish()`` after each synchronised backward and use ``checkpoint(..., use_reentrant=False)``,
