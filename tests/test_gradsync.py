@@ -473,13 +473,13 @@ def test_bad_arguments_name_the_argument_and_accepted_values(kwargs, argument):
 
 
 def test_world_size_one_does_nothing():
-    assert not dist.is_initialized()
+    assert not dist.is_initialized() or dist.get_world_size() == 1   # this test process: one rank
     torch.manual_seed(0)
     model = FrozenBiasMLP()
     plain = copy.deepcopy(model)
     with GradSync(model, bucket_mb=0) as sync:
         assert sync.world_size == 1
-        assert all(not p._post_accumulate_grad_hooks for p in model.parameters() if p.requires_grad)
+        assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())   # no hooks
         batch = mlp_batch(0)
         mlp_loss(model, batch).backward()
         mlp_loss(plain, batch).backward()
