@@ -18,6 +18,7 @@ Where data enters, moves to the device, where gradients leave and come back:
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
@@ -169,6 +170,7 @@ class StreamTrainerMixin:
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
             self.grad_sync = GradSync(
                 model,
+                process_group=self._gradient_group(),
                 bucket_mb=self.args.effective_bucket_mb,
                 mode=self.grad_sync_mode,
                 comm_dtype=self.args.grad_comm_dtype,
@@ -180,6 +182,24 @@ class StreamTrainerMixin:
         if training and self._timeline is not None and self._forward_hook is None:
             self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(self._forward_done)
         return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _gradient_group(self):
+        """On NCCL with comm_stream_priority="high", a group whose kernels run on a high-priority stream.
+
+        NCCL fixes its stream's priority when the communicator is created, so the default group
+        (made by Accelerate) cannot be raised afterwards. This group carries only the gradient
+        reductions, which never run concurrently with the default group's collectives: those
+        (loss gathering, metrics) happen outside backward, after `finish()`.
+        """
+        import torch.distributed as dist
+
+        if (self.args.comm_stream_priority != "high" or not dist.is_available() or not dist.is_initialized()
+                or dist.get_world_size() == 1 or dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL")):
+            return None
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = True
+        return dist.new_group(backend="nccl", pg_options=options,
+                              timeout=datetime.timedelta(seconds=self.args.ddp_timeout))
 
     def _forward_done(self, module, inputs, output):
         if module.training and self._timeline is not None:
