@@ -236,7 +236,7 @@ class _Session:
 
     def step(self, x, keep: bool) -> None:
         """One training step on batch ``x``; its record is kept when ``keep``."""
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         batch = x                      # the data is already in memory: data wait is ~0 by design
         t1, c1 = time.perf_counter(), time.thread_time()
         loss = self.forward(input_ids=batch, labels=batch).loss
@@ -248,7 +248,7 @@ class _Session:
         t4 = time.perf_counter()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        t5 = time.perf_counter()
+        t5, c5, p5 = time.perf_counter(), time.thread_time(), time.process_time()
         self.steps += 1
         if self.sync is not None:
             st = self.sync.stats
@@ -269,6 +269,9 @@ class _Session:
                 # process (or gloo's threads) took the core. DDP's backward also waits for its
                 # buckets, which costs no CPU, so its share is taken over the compute part.
                 "forward_cpu_share": (c2 - c1) / (t2 - t1), "backward_cpu_share": (c3 - c2) / max(backward, 1e-9),
+                # CPU time of this process's other threads (gloo's send/receive/reduce threads):
+                # on a machine with a core per rank, that is time taken from compute.
+                "comm_threads_cpu_ms": ((p5 - p0) - (c5 - c0)) * 1e3,
                 "loss": float(loss.detach()),
             })
 
@@ -364,7 +367,7 @@ def _rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dic
             runs[s.label] = s.result()
             s.close()
         load.append(os.getloadavg()[0])
-    return {"runs": runs, "sweep": sweep_results, "best_ddp_bucket_mb": best_mb, "swept": sweep,
+    return {"runs": runs, "sweep": sweep_results, "best_ddp_bucket_mb": best_mb,
             "calibration": calibration, "params": params, "num_threads": torch.get_num_threads(),
             "loadavg_1min": load}
 
@@ -541,7 +544,7 @@ def format_table(result: dict) -> str:
         f"rounds; ms (CPU: read the ratios); load avg {', '.join(f'{x:.1f}' for x in load)}",
         "",
         f"{'mode':<13}{'bucket MiB':>11}{'step':>7}{'fwd':>6}{'bwd':>6}{'comm busy':>10}{'exposed':>8}"
-        f"{'opt':>5}{'cpu fwd/bwd':>12}{'x ddp-default':>14}{'x ceiling':>10}",
+        f"{'opt':>5}{'cpu fwd/bwd':>12}{'gloo cpu':>9}{'x ddp-default':>14}{'x ceiling':>10}",
     ]
 
     def num(v, w, d=0):
@@ -553,14 +556,16 @@ def format_table(result: dict) -> str:
         cpu = f"{100 * v['forward_cpu_share']:.0f}/{100 * v['backward_cpu_share']:.0f}%"
         lines.append(f"{m:<13}{bucket:>11}{num(v['step_ms'], 7)}{num(v['forward_ms'], 6)}{num(v['backward_ms'], 6)}"
                      f"{num(v['comm_busy_ms'], 10)}{num(v['exposed_comm_ms'], 8)}{num(v['optimizer_ms'], 5)}"
-                     f"{cpu:>12}{num(r['to_ddp_default'], 14, 2)}{num(r['to_ceiling'], 10, 2)}")
+                     f"{cpu:>12}{num(v['comm_threads_cpu_ms'], 9)}{num(r['to_ddp_default'], 14, 2)}"
+                     f"{num(r['to_ceiling'], 10, 2)}")
     c = result["ceiling"]
     base = result["modes"].get("ddp-default", {}).get("step_ms")
     lines.append(f"{'ceiling':<13}{'':>11}{num(c['step_ms'], 7)}{num(c.get('forward_ms'), 6)}"
                  f"{num(c.get('backward_ms'), 6)}{num(c.get('comm_busy_ms'), 10)}{'':>8}{num(c.get('optimizer_ms'), 5)}"
-                 f"{'':>12}{num(c['step_ms'] / base if base else None, 14, 2)}{num(1.0, 10, 2)}")
-    lines.append(f"  ceiling = forward + max(backward, comm busy) + optimizer, from the {c['source']} run; "
-                 f"cpu = share of a core the rank's compute thread got")
+                 f"{'':>21}{num(c['step_ms'] / base if base else None, 14, 2)}{num(1.0, 10, 2)}")
+    lines.append(f"  ceiling = forward + max(backward, comm busy) + optimizer, from the {c['source']} run")
+    lines.append("  cpu fwd/bwd = share of a core the rank's compute thread got; gloo cpu = ms of CPU per step "
+                 "used by the rank's other (communication) threads")
     if result["ddp_sweep"]:
         cells = [f"{'default' if s['bucket_mb'] is None else format(s['bucket_mb'], 'g')}: {s['step_ms']:.0f}"
                  for s in result["ddp_sweep"]]
