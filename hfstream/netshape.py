@@ -97,13 +97,16 @@ def can_shape(latency: bool = False) -> tuple[bool, str]:
         result = (False, "network namespaces need root (run as root, or use the simulated link)")
     elif shutil.which("ip") is None or shutil.which("tc") is None:
         result = (False, "the `ip` and `tc` tools (iproute2) are not installed")
+    elif latency and not can_shape(latency=False)[0]:
+        result = can_shape(latency=False)
     else:
         try:
             with shaped_namespace(1000.0, latency_ms=1.0 if latency else 0.0):
                 pass
             result = (True, "ok")
         except Exception as exc:   # no CAP_SYS_ADMIN / CAP_NET_ADMIN, no sch_tbf, no sch_netem
-            result = (False, f"creating a shaped namespace failed: {exc}")
+            what = "the netem qdisc that adds latency is not available" if latency else "creating a shaped namespace failed"
+            result = (False, f"{what}: {exc}")
     _probe_cache[latency] = result
     return result
 
