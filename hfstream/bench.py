@@ -314,10 +314,6 @@ def _run_interleaved(sessions: list[_Session], cfg: BenchConfig, batches: list, 
                 progress.step(s.label, len(s.records), cfg.steps, f"round {r + 1}/{rounds}")
 
 
-def _median_step_ms(records: list[dict]) -> float:
-    return statistics.median(r["step_ms"] for r in records)
-
-
 def _rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict:
     """One rank of the benchmark: the same sessions, in the same order, on every rank.
 
@@ -359,10 +355,13 @@ def _rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dic
                 s.close()
             del sessions
             gc.collect()
-            # Every rank must pick the same best bucket: agree on the slowest rank's medians.
-            med = torch.tensor([_median_step_ms(r["records"]) for r in sweep_results.values()], dtype=torch.float64)
-            dist.all_reduce(med, op=dist.ReduceOp.MAX)
-            best_mb = sweep_runs[int(torch.argmin(med))]
+            # Every rank must pick the same best bucket, by the statistic the report shows: per
+            # step the slowest rank, then the median over steps.
+            steps = torch.tensor([[r["step_ms"] for r in res["records"]] for res in sweep_results.values()],
+                                 dtype=torch.float64)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            medians = [statistics.median(row) for row in steps.tolist()]
+            best_mb = sweep_runs[medians.index(min(medians))]
         load.append(os.getloadavg()[0])
         specs = {"serial": ("serial", OVERLAP_DEFAULT_MB), "ddp-default": ("ddp", None), "ddp-best": ("ddp", best_mb),
                  "overlap": ("overlap", OVERLAP_DEFAULT_MB),
