@@ -61,7 +61,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 MODES = ("serial", "ddp-default", "ddp-best", "overlap", "overlap-best")
 SHAPINGS = ("auto", "netns", "simulated")
