@@ -1,6 +1,8 @@
-"""The `hfstream` command: ``hfstream demo``, ``hfstream corpus``, ``hfstream env``.
+"""The `hfstream` command.
 
     hfstream demo [-- TRAIN_CLM_ARGS...]   train the demo under accelerate launch (2 CPU ranks, or every GPU)
+    hfstream bench [--quick] [--json F]    gradient sync side by side on a shaped link: serial, DDP, overlap, ceiling
+    hfstream bench-prefetch [--json F]     stock Trainer vs prefetching with a collate as costly as a step
     hfstream corpus OUT_DIR                write the standard-library demo corpus
     hfstream env                           versions, devices and backends this machine offers
 """
@@ -56,6 +58,12 @@ def _cmd_demo(ns) -> int:
     return subprocess.call(cmd, env=env)
 
 
+def _cmd_bench_prefetch(ns) -> int:
+    from . import bench_prefetch
+
+    return bench_prefetch.main(ns.args)
+
+
 def _cmd_corpus(ns) -> int:
     from .data import build_stdlib_corpus
 
@@ -97,6 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("train_args", nargs=argparse.REMAINDER,
                    help="arguments for recipes/train_clm.py, after --, e.g. -- --max_steps 50")
     p.set_defaults(func=_cmd_demo)
+
+    from . import bench
+
+    p = sub.add_parser("bench", help="gradient sync side by side on a bandwidth-limited link, against the ceiling")
+    bench.add_arguments(p)
+    p.set_defaults(func=bench.run_from_args)
+
+    p = sub.add_parser("bench-prefetch", help="stock Trainer vs StreamTrainer with a costly collate (CPU)",
+                       add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m hfstream.bench_prefetch --help`")
+    p.set_defaults(func=_cmd_bench_prefetch)
 
     p = sub.add_parser("corpus", help="write the standard-library demo corpus")
     p.add_argument("out_dir", help="directory to write stdlib_corpus.txt into")

@@ -19,7 +19,7 @@ def test_help_lists_subcommands(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for cmd in ("demo", "corpus", "env"):
+    for cmd in ("demo", "bench", "bench-prefetch", "corpus", "env"):
         assert cmd in out
 
 
@@ -72,3 +72,14 @@ def test_demo_runs_under_accelerate_launch(tmp_path):
     for name in ("breakdown.png", "loss.png", "log_history.json"):
         assert (out / name).stat().st_size > 0
     assert (out / "model" / "config.json").exists()
+
+
+def test_bench_subcommands_are_wired(capsys):
+    for cmd in (["bench", "--help"], ["bench-prefetch", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(cmd)
+        assert e.value.code == 0
+    assert "--quick" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--world-size", "0"])
+    assert e.value.code == 2 and "--world-size" in capsys.readouterr().err
