@@ -113,15 +113,20 @@ def run(steps: int = 40, warmup: int = 5, batch: int = 8, seq: int = 128, rounds
             "torch": torch.__version__}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hfstream.bench_prefetch", description=__doc__.split("\n\n")[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (default 5)")
     p.add_argument("--rounds", type=int, default=None, help="collate work; default: calibrated to one step")
     p.add_argument("--json", default=None, help="write the result here")
-    ns = p.parse_args(argv)
+
+
+def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     if ns.steps <= ns.warmup + 2:
-        p.error(f"--steps ({ns.steps}) must exceed --warmup ({ns.warmup}) by at least 3")
+        msg = f"--steps ({ns.steps}) must exceed --warmup ({ns.warmup}) by at least 3"
+        if parser is not None:
+            parser.error(msg)
+        print(f"hfstream bench-prefetch: error: {msg}", file=sys.stderr)
+        return 2
     r = run(steps=ns.steps, warmup=ns.warmup, rounds=ns.rounds)
     print(f"compute alone        {r['compute_ms']:8.1f} ms/step")
     print(f"collate alone        {r['collate_ms']:8.1f} ms/batch  ({r['collate_rounds']} rounds)")
@@ -132,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(ns.json, "w") as f:
             json.dump(r, f, indent=2)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hfstream.bench_prefetch", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv), p)
 
 
 if __name__ == "__main__":

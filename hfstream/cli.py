@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -58,10 +59,8 @@ def _cmd_demo(ns) -> int:
     return subprocess.call(cmd, env=env)
 
 
-def _cmd_bench_prefetch(ns) -> int:
-    from . import bench_prefetch
-
-    return bench_prefetch.main(ns.args)
+def _run_with_parser(run, parser, ns) -> int:
+    return run(ns, parser)
 
 
 def _cmd_corpus(ns) -> int:
@@ -112,10 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(p)
     p.set_defaults(func=bench.run_from_args)
 
-    p = sub.add_parser("bench-prefetch", help="stock Trainer vs StreamTrainer with a costly collate (CPU)",
-                       add_help=False)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="see `python -m hfstream.bench_prefetch --help`")
-    p.set_defaults(func=_cmd_bench_prefetch)
+    from . import bench_prefetch
+
+    p = sub.add_parser("bench-prefetch", help="stock Trainer vs StreamTrainer with a costly collate (CPU)")
+    bench_prefetch.add_arguments(p)
+    p.set_defaults(func=functools.partial(_run_with_parser, bench_prefetch.run_from_args, p))
 
     p = sub.add_parser("corpus", help="write the standard-library demo corpus")
     p.add_argument("out_dir", help="directory to write stdlib_corpus.txt into")
