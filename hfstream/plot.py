@@ -76,3 +76,43 @@ def _save(fig, path) -> Path:
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
+
+
+LANE_COLORS = {"data wait": "#c9c9c9", "forward": "#4c72b0", "backward": "#55a868", "exposed comm": "#c44e52",
+               "optimizer": "#8172b2"}
+LANES = ("data", "compute", "comm")
+
+
+def plot_timeline(spans: Sequence[Sequence[Any]], path: str | os.PathLike,
+                  title: str = "timeline: data, compute and communication per rank") -> Path:
+    """One lane per stream per rank (data, compute, comm) over a few steps.
+
+    ``spans`` are ``(rank, lane, name, start, end)`` in seconds (`StepTimeline` spans, or the
+    ``spans`` of a `StreamReport`). Each rank's clock is shown from its own first span, so
+    ranks on different machines line up by step, not by wall clock.
+    """
+    plt = _pyplot()
+    ranks = sorted({int(s[0]) for s in spans})
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.75 * max(1, len(ranks)) * len(LANES)))
+    origin = {r: min(s[3] for s in spans if int(s[0]) == r) for r in ranks}
+    labels, ticks, seen = [], [], set()
+    for i, rank in enumerate(ranks):
+        for j, lane in enumerate(LANES):
+            y = (len(ranks) - 1 - i) * (len(LANES) + 0.6) + (len(LANES) - 1 - j)
+            ticks.append(y)
+            labels.append(f"rank {rank} {lane}")
+            for r, ln, name, t0, t1 in spans:
+                if int(r) != rank or ln != lane:
+                    continue
+                color = LANE_COLORS.get(name, "#dd8452" if lane == "comm" else "#999999")
+                key = name if lane != "comm" else "reduction (bucket)"
+                ax.barh(y, (t1 - t0) * 1e3, left=(t0 - origin[rank]) * 1e3, height=0.7, color=color,
+                        edgecolor="white", linewidth=0.5, label=key if key not in seen else None)
+                seen.add(key)
+    ax.set_yticks(ticks, labels, fontsize=8)
+    ax.set_xlabel("ms since the first step shown")
+    ax.set_title(title, fontsize=10)
+    if seen:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return _save(fig, path)

@@ -147,6 +147,19 @@ class _PendingStep:
     end: Any = None
     comm_busy_ms: float = math.nan
     exposed_comm_ms: float = 0.0
+    host_start: float = 0.0
+    data_end: float = 0.0
+    comm_spans: list = field(default_factory=list)   # (name, start, end) host seconds
+    exposed_spans: list = field(default_factory=list)
+
+
+class Span(tuple):
+    """``(rank, lane, name, start, end)``: one interval of the timeline, host seconds."""
+
+    __slots__ = ()
+
+    def __new__(cls, rank: int, lane: str, name: str, start: float, end: float):
+        return super().__new__(cls, (rank, lane, name, start, end))
 
 
 class StepTimeline:
@@ -154,31 +167,46 @@ class StepTimeline:
 
     The trainer calls, in order: `begin_step` (before fetching data), `data_ready`, then per
     micro-step `forward_start`, `forward_end`, `backward_end`, then `optimizer_start` and
-    `end_step`. Records are kept in a ring of ``capacity`` steps: memory stays bounded.
+    `end_step`. Records and spans are kept in rings (``capacity`` steps, ``span_capacity``
+    spans): memory stays bounded however long the run.
+
+    Spans ``(rank, lane, name, start, end)`` in host seconds, grouped per step, draw the
+    timeline figure: lane
+    ``data`` (waiting for a batch), ``compute`` (forward, backward, exposed comm, optimizer) and
+    ``comm`` (each bucket's reduction, from `GradSync`). On an accelerator, compute spans are
+    placed by their event offsets from the step's first mark.
 
     Args:
         device: where compute runs; accelerators are timed with events.
         capacity: how many resolved steps to keep.
+        span_capacity: how many steps' spans to keep.
+        rank: this process's rank, written into every span.
     """
 
-    def __init__(self, device: torch.device | None = None, capacity: int = 4096):
+    # Unresolved steps kept before the oldest are resolved (their events are long complete).
+    _MAX_PENDING = 32
+
+    def __init__(self, device: torch.device | None = None, capacity: int = 4096, span_capacity: int = 256,
+                 rank: int = 0):
         self._clock = _Clock(device)
+        self.rank = rank
         self.records: deque[StepRecord] = deque(maxlen=capacity)
+        self.spans: deque[tuple[int, list[Span]]] = deque(maxlen=span_capacity)
         self._pending: list[_PendingStep] = []
         self._cur: _PendingStep | None = None
         self._data_t0 = 0.0
         self._fwd: Any = None
-        self._micro_start: Any = None
 
     # -- marks, in step order ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        self._cur = _PendingStep(step=step)
         self._data_t0 = time.perf_counter()
+        self._cur = _PendingStep(step=step, host_start=self._data_t0)
         self._cur.start = self._clock.mark()
 
     def data_ready(self) -> None:
         if self._cur is not None:
-            self._cur.data_wait_ms += (time.perf_counter() - self._data_t0) * 1e3
+            self._cur.data_end = time.perf_counter()
+            self._cur.data_wait_ms += (self._cur.data_end - self._data_t0) * 1e3
 
     def forward_start(self) -> None:
         if self._cur is not None:
@@ -194,12 +222,22 @@ class StepTimeline:
             self._cur.micro.append(tuple(self._fwd))
         self._fwd = None
 
-    def add_comm(self, comm_busy_ms: float, exposed_comm_ms: float) -> None:
-        """Communication measured by `GradSync` for this step (its own clock)."""
+    def add_comm(self, comm_busy_ms: float, exposed_comm_ms: float, bucket_spans=(),
+                 exposed_span: tuple[float, float] | None = None) -> None:
+        """Communication measured by `GradSync` for this step.
+
+        Args:
+            comm_busy_ms, exposed_comm_ms: from ``GradSync.stats``.
+            bucket_spans: ``(bucket index, launch, finish)`` in perf_counter seconds.
+            exposed_span: the host interval the step spent waiting in ``finish()``.
+        """
         if self._cur is not None:
             busy = self._cur.comm_busy_ms
             self._cur.comm_busy_ms = comm_busy_ms if math.isnan(busy) else busy + comm_busy_ms
             self._cur.exposed_comm_ms += exposed_comm_ms
+            self._cur.comm_spans.extend((f"bucket {i}", t0, t1) for i, t0, t1 in bucket_spans)
+            if exposed_span is not None:
+                self._cur.exposed_spans.append(exposed_span)
 
     def optimizer_start(self) -> None:
         if self._cur is not None:
@@ -211,7 +249,7 @@ class StepTimeline:
             return
         cur.end = self._clock.mark()
         self._pending.append(cur)
-        if not self._clock.device_events:
+        if not self._clock.device_events or len(self._pending) > self._MAX_PENDING:
             self.resolve()
 
     # -- results ---------------------------------------------------------------------------
@@ -230,7 +268,30 @@ class StepTimeline:
                 comm_busy_ms=p.comm_busy_ms, exposed_comm_ms=p.exposed_comm_ms,
                 optimizer_ms=ms(opt_start, p.end), step_ms=step_ms,
             ))
+            self._add_spans(p, opt_start)
         self._pending.clear()
+
+    def _add_spans(self, p: _PendingStep, opt_start) -> None:
+        # Host seconds: the step's first mark is p.host_start; device marks sit at their offsets.
+        at = lambda mark: p.host_start + self._clock.ms(p.start, mark) / 1e3  # noqa: E731
+        r, spans = self.rank, []
+        add = spans.append
+        if p.data_wait_ms > 0:
+            add(Span(r, "data", "data wait", p.host_start, p.data_end))
+        for f0, f1, b1 in p.micro:
+            add(Span(r, "compute", "forward", at(f0), at(f1)))
+            add(Span(r, "compute", "backward", at(f1), at(b1)))
+        for t0, t1 in p.exposed_spans:
+            add(Span(r, "compute", "exposed comm", t0, t1))
+        add(Span(r, "compute", "optimizer", at(opt_start), at(p.end)))
+        for name, t0, t1 in p.comm_spans:
+            add(Span(r, "comm", name, t0, t1))
+        self.spans.append((p.step, spans))
+
+    def last_spans(self, steps: int = 4) -> list[Span]:
+        """The spans of the last ``steps`` resolved steps, in time order."""
+        self.resolve()
+        return [span for _, spans in list(self.spans)[-steps:] for span in spans]
 
     def summary(self, warmup: int = 1, since_step: int | None = None) -> dict[str, float]:
         self.resolve()

@@ -22,6 +22,7 @@ import datetime
 import json
 import logging
 import math
+import time
 from typing import Any
 
 import torch
@@ -82,6 +83,8 @@ class StreamTrainerMixin:
     like the class it is mixed into.
     """
 
+    TIMELINE_STEPS = 4   # steps of spans each rank keeps in the report, for the timeline figure
+
     def __init__(self, *args: Any, **kwargs: Any):
         args, kwargs = _default_stream_args(args, kwargs)
         super().__init__(*args, **kwargs)
@@ -95,7 +98,8 @@ class StreamTrainerMixin:
         self._prefetcher = None
         self._prefetch_source = None
         self._prefetch_iter = None
-        self._timeline = StepTimeline(self.args.device) if self.args.stream_report else None
+        self._timeline = (StepTimeline(self.args.device, rank=self.args.process_index)
+                          if self.args.stream_report else None)
         self._last_logged_step = 0
         self._report = StreamReport()
         self._forward_hook = None
@@ -217,9 +221,12 @@ class StreamTrainerMixin:
         if timeline is not None:
             timeline.backward_end()
         if sync is not None and syncs:
+            t0 = time.perf_counter()
             sync.finish()
             if timeline is not None:
-                timeline.add_comm(sync.stats.comm_busy_ms, sync.stats.exposed_comm_ms)
+                stats = sync.stats
+                timeline.add_comm(stats.comm_busy_ms, stats.exposed_comm_ms, stats.bucket_spans,
+                                  (t0, time.perf_counter()))
         if timeline is not None and self.accelerator.sync_gradients:
             timeline.optimizer_start()
         return loss
@@ -241,21 +248,26 @@ class StreamTrainerMixin:
         if self._timeline is None:
             return
         local = self._timeline.summary(warmup=1)
-        per_rank = gather_object([local]) if self.accelerator.num_processes > 1 else [local]
+        spans = [list(span) for span in self._timeline.last_spans(self.TIMELINE_STEPS)]
+        gathered = gather_object([(local, spans)]) if self.accelerator.num_processes > 1 else [(local, spans)]
+        per_rank = [summary for summary, _ in gathered]
         ranks = [r for r in per_rank if r]
         mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in (ranks[0] if ranks else {})}
         if ranks and mean.get("step_ms"):
             # Ratios from the averaged times, as `summarize` does over steps.
             mean["efficiency"] = mean["ideal_ms"] / mean["step_ms"]
         self._report = StreamReport(mean=mean, per_rank=per_rank, grad_sync=self.grad_sync_mode,
-                                    prefetch_depth=self.args.prefetch_depth)
+                                    prefetch_depth=self.args.prefetch_depth,
+                                    spans=[span for _, rank_spans in gathered for span in rank_spans])
 
     def stream_report(self) -> StreamReport:
         """The step breakdown against the ceiling for the last `train()` call.
 
         A dict with ``mean`` (averaged over ranks) and ``per_rank`` (each rank's mean over its
-        steps after the first), each holding the fields of DESIGN.md section 4; ``print()``
-        shows it as a table. Local and cheap: the gathering happened when training ended.
+        steps after the first), each holding the fields of DESIGN.md section 4, and ``spans``
+        (every rank's timeline of its last few steps, for `hfstream.plot.plot_timeline`);
+        ``print()`` shows it as a table. Local and cheap: the gathering happened when training
+        ended, on every rank.
         """
         return self._report
 

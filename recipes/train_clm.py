@@ -42,7 +42,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, LlamaCon
 
 from hfstream import StreamTrainer, StreamTrainingArguments
 from hfstream.data import build_stdlib_corpus, byte_tokenizer, load_text_dataset, train_bpe_tokenizer
-from hfstream.plot import plot_breakdown, plot_loss
+from hfstream.plot import plot_breakdown, plot_loss, plot_timeline
 
 
 @dataclass
@@ -119,6 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         pictures = [plot_breakdown(report, out / "breakdown.png",
                                    title=f"{args.world_size} rank(s), grad_sync={trainer.grad_sync_mode}"),
                     plot_loss(trainer.state.log_history, out / "loss.png")]
+        if report.get("spans"):
+            pictures.append(plot_timeline(report["spans"], out / "timeline.png"))
         print("\n" + str(report))
         if "eval_loss" in metrics:
             print(f"\neval loss {metrics['eval_loss']:.3f} (perplexity {math.exp(min(metrics['eval_loss'], 50)):.1f})")

@@ -1,0 +1,93 @@
+"""The step report is consistent: parts add up to the step, exposed comm never exceeds comm
+busy, the ceiling is never above the step, spans and pictures are produced."""
+
+import math
+
+import pytest
+
+from hfstream import StreamTrainer, StreamTrainingArguments
+from hfstream.plot import plot_breakdown, plot_loss, plot_timeline
+from hfstream.timeline import StepRecord, StepTimeline, format_report, summarize
+from tiny import lm_dataset, tiny_causal_lm, train_args
+
+
+def test_ceiling_and_ratios_from_a_record():
+    r = StepRecord(step=1, data_wait_ms=5, forward_ms=10, backward_ms=20, comm_busy_ms=30, exposed_comm_ms=12,
+                   optimizer_ms=3, step_ms=50)
+    assert r.ideal_ms == 10 + 30 + 3
+    assert r.efficiency == pytest.approx(43 / 50)
+    assert r.overlap == pytest.approx(1 - 12 / 30)
+    native = StepRecord(step=1, data_wait_ms=0, forward_ms=10, backward_ms=20, comm_busy_ms=math.nan,
+                        exposed_comm_ms=0, optimizer_ms=3, step_ms=40)
+    assert native.ideal_ms == 33 and math.isnan(native.overlap)
+
+
+def test_summary_skips_warmup_and_recomputes_ratios():
+    recs = [StepRecord(i, 0, 10, 20, 5, 1, 2, 100 if i == 0 else 40) for i in range(5)]
+    s = summarize(recs, warmup=1)
+    assert s["steps"] == 4 and s["step_ms"] == 40 and s["efficiency"] == pytest.approx(s["ideal_ms"] / s["step_ms"])
+    assert "efficiency" in format_report(s) and summarize([], 1) == {}
+
+
+def test_timeline_ring_is_bounded():
+    tl = StepTimeline(capacity=3, span_capacity=2)
+    for step in range(10):
+        tl.begin_step(step)
+        tl.data_ready()
+        tl.forward_start()
+        tl.forward_end()
+        tl.backward_end()
+        tl.optimizer_start()
+        tl.end_step()
+    assert [r.step for r in tl.records] == [7, 8, 9]
+    assert len(tl.spans) == 2 and {s[2] for s in tl.last_spans(2)} >= {"forward", "backward", "optimizer"}
+
+
+def test_step_without_compute_is_not_recorded():
+    tl = StepTimeline()
+    tl.begin_step(1)
+    tl.data_ready()
+    tl.end_step()                     # e.g. the epoch ran out of batches
+    assert not tl.records
+
+
+def test_trainer_report_parts_add_up(tmp_path):
+    trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
+                            args=train_args(StreamTrainingArguments, tmp_path, max_steps=12,
+                                            gradient_accumulation_steps=2, prefetch_depth=2))
+    trainer.train()
+    report = trainer.stream_report()
+    for rec in list(trainer._timeline.records)[1:]:
+        parts = rec.data_wait_ms + rec.forward_ms + rec.backward_ms + rec.exposed_comm_ms + rec.optimizer_ms
+        # What is left is the Trainer's own bookkeeping between micro-steps (loss accumulation,
+        # callbacks): small, never negative beyond clock resolution.
+        assert parts <= rec.step_ms * 1.001 + 0.05
+        assert parts >= 0.6 * rec.step_ms
+        assert rec.ideal_ms <= rec.step_ms * 1.001 + 0.05
+    mean = report["mean"]
+    assert mean["steps"] == 11 and 0 < mean["efficiency"] <= 1.0
+    assert "hfstream step report" in str(report) and report.to_json().count("NaN") == 0
+    spans = report["spans"]
+    assert {s[1] for s in spans} >= {"data", "compute"} and all(s[4] >= s[3] for s in spans)
+    for fn, arg, name in ((plot_breakdown, report, "b.png"), (plot_timeline, spans, "t.png"),
+                          (plot_loss, trainer.state.log_history, "l.png")):
+        assert fn(arg, tmp_path / name).stat().st_size > 5_000
+
+
+def _overlap_report(rank, world_size, tmp):
+    trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
+                            args=train_args(StreamTrainingArguments, tmp, max_steps=8, grad_sync="overlap",
+                                            grad_bucket_mb=0.01))
+    trainer.train()
+    return dict(trainer.stream_report()), [r.as_dict() for r in trainer._timeline.records]
+
+
+@pytest.mark.multiprocess
+def test_two_rank_report_has_comm(tmp_path, run_distributed):
+    for report, records in run_distributed(_overlap_report, 2, str(tmp_path), init_process_group=False, timeout=240):
+        assert len(report["per_rank"]) == 2
+        assert {s[0] for s in report["spans"]} == {0, 1} and any(s[1] == "comm" for s in report["spans"])
+        for rec in records:
+            assert rec["comm_busy_ms"] > 0
+            assert rec["exposed_comm_ms"] <= rec["comm_busy_ms"] + 1.0   # 1 ms: two clocks, launch bookkeeping
+            assert 0.0 <= rec["overlap"] <= 1.0
