@@ -43,6 +43,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, LlamaCon
 from hfstream import StreamTrainer, StreamTrainingArguments
 from hfstream.data import build_stdlib_corpus, byte_tokenizer, load_text_dataset, train_bpe_tokenizer
 from hfstream.plot import plot_breakdown, plot_loss, plot_timeline
+from hfstream.trace import TraceSteps, parse_step_range
 
 
 @dataclass
@@ -65,6 +66,8 @@ class DataArguments:
     corpus_bytes: int = field(default=2_000_000, metadata={"help": "Size of the standard-library corpus."})
     block_size: int = field(default=128, metadata={"help": "Tokens per training sequence."})
     validation_fraction: float = field(default=0.02, metadata={"help": "Share of blocks held out for evaluation."})
+    trace_steps: str = field(default="", metadata={
+        "help": "Optimizer steps to record as a torch.profiler Chrome trace, e.g. 10-12 (empty: none)."})
 
 
 DEMO_DEFAULTS = dict(max_steps=150, per_device_train_batch_size=8, per_device_eval_batch_size=16,
@@ -105,9 +108,13 @@ def main(argv: list[str] | None = None) -> dict:
     train_ds = splits["train"] if data_args.validation_fraction > 0 else splits
     eval_ds = splits["validation"] if data_args.validation_fraction > 0 else None
 
+    try:
+        trace = TraceSteps(*parse_step_range(data_args.trace_steps), out) if data_args.trace_steps else None
+    except ValueError as err:
+        raise SystemExit(f"train_clm.py: error: {err}") from None
     model = build_model(model_args, len(tokenizer), data_args.block_size)
     trainer = StreamTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                            processing_class=tokenizer)
+                            processing_class=tokenizer, callbacks=[trace] if trace else None)
     trainer.train()
     report = trainer.stream_report()
     metrics = trainer.evaluate() if eval_ds is not None else {}
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"model:    {(out / 'model').resolve()}")
         print(f"logs:     {(out / 'log_history.json').resolve()}  (report: stream_report.json)")
         print("pictures: " + "  ".join(str(p.resolve()) for p in pictures))
+        if trace is not None and trace.path is not None:
+            print(f"trace:    {trace.path.resolve()}  (chrome://tracing or ui.perfetto.dev)")
     return {"report": dict(report), "metrics": metrics}
 
 
