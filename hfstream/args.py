@@ -24,6 +24,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+import torch
 from transformers import TrainingArguments
 
 GRAD_SYNC_MODES = ("auto", "overlap", "serial", "native")
@@ -32,15 +33,6 @@ STREAM_PRIORITIES = ("high", "normal")
 DEFAULT_BUCKET_MB = 25.0
 
 logger = logging.getLogger(__name__)
-
-
-def _has_accelerator() -> bool:
-    import torch
-
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return bool(acc.is_available())
-    return torch.cuda.is_available()
 
 
 def _choice_error(name: str, value, accepted) -> ValueError:
@@ -101,7 +93,7 @@ class StreamTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         self._validate_stream_fields()
-        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _has_accelerator():
+        if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
             logger.info("hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
                         "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])
             self.use_cpu = True
