@@ -4,17 +4,42 @@ training, and measure how close each step comes to its ceiling.
     >>> from hfstream import StreamTrainer, StreamTrainingArguments   # the two-name migration
     >>> from hfstream import GradSync, StreamPrefetcher               # the building blocks
 
-`hfstream.data` (local corpus and byte-level tokenizer) imports `datasets`; it is kept out of
-this import path on purpose.
+The names are imported on first use (PEP 562), so ``hfstream plan`` and other tools that need
+neither torch nor transformers start at once. `hfstream.data` (local corpus, byte-level
+tokenizer) imports `datasets`; nothing on the library's import path does.
 """
 
-from .args import StreamTrainingArguments
-from .gradsync import GradSync
-from .prefetch import StreamPrefetcher
-from .trainer import StreamReport, StreamTrainer, StreamTrainerMixin
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
-__all__ = [
-    "GradSync", "StreamPrefetcher", "StreamReport", "StreamTrainer", "StreamTrainerMixin",
-    "StreamTrainingArguments", "__version__",
-]
+
+_EXPORTS = {
+    "GradSync": "hfstream.gradsync",
+    "StreamPrefetcher": "hfstream.prefetch",
+    "StreamReport": "hfstream.trainer",
+    "StreamTrainer": "hfstream.trainer",
+    "StreamTrainerMixin": "hfstream.trainer",
+    "StreamTrainingArguments": "hfstream.args",
+}
+__all__ = [*_EXPORTS, "__version__"]
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load lazily
+    from .args import StreamTrainingArguments
+    from .gradsync import GradSync
+    from .prefetch import StreamPrefetcher
+    from .trainer import StreamReport, StreamTrainer, StreamTrainerMixin
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hfstream' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(__all__)

@@ -3,6 +3,7 @@
     hfstream demo [-- TRAIN_CLM_ARGS...]   train the demo under accelerate launch (2 CPU ranks, or every GPU)
     hfstream bench [--quick] [--json F]    gradient sync side by side on a shaped link: serial, DDP, overlap, ceiling
     hfstream bench-prefetch [--json F]     stock Trainer vs prefetching with a collate as costly as a step
+    hfstream plan [--model M] [--plot F]   predict compute, communication and the ceiling for 1..1024 devices
     hfstream corpus OUT_DIR                write the standard-library demo corpus
     hfstream env                           versions, devices and backends this machine offers
 """
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-prefetch", help="stock Trainer vs StreamTrainer with a costly collate (CPU)")
     bench_prefetch.add_arguments(p)
     p.set_defaults(func=functools.partial(_run_with_parser, bench_prefetch.run_from_args, p))
+
+    from . import plan
+
+    p = sub.add_parser("plan", help="predict step time, exposed communication and the ceiling for 1..1024 devices")
+    plan.add_arguments(p)
+    p.set_defaults(func=plan.run_from_args)
 
     p = sub.add_parser("corpus", help="write the standard-library demo corpus")
     p.add_argument("out_dir", help="directory to write stdlib_corpus.txt into")

@@ -19,7 +19,7 @@ def test_help_lists_subcommands(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for cmd in ("demo", "bench", "bench-prefetch", "corpus", "env"):
+    for cmd in ("demo", "bench", "bench-prefetch", "plan", "corpus", "env"):
         assert cmd in out
 
 
