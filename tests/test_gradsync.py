@@ -178,7 +178,7 @@ def train_parity(rank, world_size, model_key, *, steps=5, accum=1, set_to_none=T
     return out
 
 
-CAPS = {"one_bucket": float("inf"), "several": 0.0004, "per_param": 0.0}
+CAPS = {"one_bucket": float("inf"), "several": 0.0002, "per_param": 0.0}   # 0.0002 MiB: 3 and 2 buckets
 
 
 def parity_suite(rank, world_size):
@@ -462,7 +462,10 @@ def test_rank_that_skips_backward_fails_peer_with_named_buckets(run_distributed)
     (dict(mode="async"), "mode"),
     (dict(bucket_mb=-1), "bucket_mb"),
     (dict(bucket_mb=float("nan")), "bucket_mb"),
-    (dict(bucket_mb="auto"), "bucket_mb"),
+    (dict(bucket_mb="fast"), "bucket_mb"),
+    (dict(bucket_mb="AUTO"), "bucket_mb"),
+    (dict(first_bucket_mb=-1), "first_bucket_mb"),
+    (dict(first_bucket_mb="1"), "first_bucket_mb"),
     (dict(comm_dtype="int8"), "comm_dtype"),
     (dict(comm_dtype=torch.float32), "comm_dtype"),
     (dict(comm_stream_priority="urgent"), "comm_stream_priority"),
@@ -499,15 +502,56 @@ def test_plan_reverse_order_caps_and_keys():
     (one,) = plan_buckets(named, math.inf)
     assert one.names == ("fc3.bias", "fc3.weight", "fc2.bias", "fc2.weight", "fc1.weight")
     assert one.numel == 4 + 64 + 16 + 256 + 128 and one.nbytes == 4 * one.numel
-    # A cap smaller than a parameter never splits it; a bucket never exceeds the cap otherwise.
+    # DDP's rule: a bucket is filled until it reaches the cap (16 + 256 + 64 bytes >= 300), a
+    # parameter is never split (fc2.weight, 1024 bytes, is a bucket of its own), the last one
+    # holds what is left.
     cap_mb = 300 / 2**20
     buckets = plan_buckets(named, cap_mb)
-    assert [b.names for b in buckets] == [("fc3.bias", "fc3.weight"), ("fc2.bias",), ("fc2.weight",), ("fc1.weight",)]
-    assert all(b.nbytes <= 300 or len(b.names) == 1 for b in buckets)
+    assert [b.names for b in buckets] == [("fc3.bias", "fc3.weight", "fc2.bias"), ("fc2.weight",), ("fc1.weight",)]
+    assert all(b.nbytes >= 300 for b in buckets[:-1])
+    assert all(b.nbytes - 4 * model.get_parameter(b.names[-1]).numel() < 300 for b in buckets)   # cap + one param
+    # Exactly at the cap closes the bucket.
+    assert [b.names for b in plan_buckets(named, 272 / 2**20)][0] == ("fc3.bias", "fc3.weight")
+    # A smaller first bucket: the first gradients leave on their own, the rest at the cap.
+    assert [b.names for b in plan_buckets(named, cap_mb, first_bucket_mb=0)] == [
+        ("fc3.bias",), ("fc3.weight", "fc2.bias"), ("fc2.weight",), ("fc1.weight",)]
     # One bucket per dtype: a bf16 parameter travels apart, ordered by when it is expected ready.
     mixed = [("a", torch.zeros(4)), ("h", torch.zeros(4, dtype=torch.bfloat16)), ("b", torch.zeros(4))]
     assert [(b.names, b.dtype) for b in plan_buckets(mixed, math.inf)] == [
         (("b", "a"), torch.float32), (("h",), torch.bfloat16)]
+
+
+def test_plan_matches_ddp_bucket_assignment():
+    """Same cap, same buckets as DistributedDataParallel's assignment (reversed into launch order)."""
+    from torch.distributed import _compute_bucket_assignment_by_size as ddp_assignment
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64 + 8 * i, 64 + 8 * (i + 1)) for i in range(8)])
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    for cap_mb, first_mb in [(0.0, None), (0.01, None), (0.03, None), (0.03, 0.005), (0.1, 0.02), (math.inf, None)]:
+        limits = [int(min(c, 2**62)) for c in (
+            [cap_mb * 2**20] if first_mb is None else [first_mb * 2**20, cap_mb * 2**20])]
+        # DDP assigns in the order it is given and reverses the result; give it reverse order.
+        indices, _ = ddp_assignment(params[::-1], limits, [False] * len(params))
+        want = [tuple(named[len(params) - 1 - i][0] for i in bucket) for bucket in indices]
+        got = [b.names for b in plan_buckets(named, cap_mb, first_mb)]
+        assert got == want, (cap_mb, first_mb)
+
+
+def test_first_bucket_default_is_small_and_validated():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(24)])   # 256 KiB + 1 KiB per layer
+    with GradSync(model, bucket_mb=1.0) as sync:                       # alone: nothing is reduced
+        sizes = [b.nbytes / 2**20 for b in sync.buckets]
+    assert sizes[0] >= 1.0
+    with GradSync(model, bucket_mb=4.0) as sync:
+        first, rest = sync.buckets[0].nbytes / 2**20, [b.nbytes / 2**20 for b in sync.buckets[1:-1]]
+    assert 1.0 <= first < 1.3 and all(r >= 4.0 for r in rest)          # DDP's 1 MiB first bucket
+    with GradSync(model, bucket_mb=4.0, first_bucket_mb=4.0) as sync:
+        assert sync.buckets[0].nbytes / 2**20 >= 4.0
+    with GradSync(model, bucket_mb=math.inf) as sync:
+        assert len(sync.buckets) == 1                                   # inf keeps its meaning
 
 
 def test_tied_weight_planned_once():

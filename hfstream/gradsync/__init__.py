@@ -1,10 +1,12 @@
 """Overlapped, bucketed gradient all-reduce for data parallelism, without a wrapper module.
 
 `GradSync` hooks a model in place and averages its gradients over ranks while backward runs;
-`plan_buckets` is the bucket planner it uses (pure, usable on its own to inspect a plan).
+`plan_buckets` is the bucket planner it uses (pure, usable on its own to inspect a plan);
+`BucketTuner` chooses the bucket cap online under ``bucket_mb="auto"``.
 """
 
 from .buckets import Bucket, format_plan, plan_buckets
 from .sync import GradSync, SyncStats
+from .tune import BucketTuner, TuningResult
 
-__all__ = ["Bucket", "GradSync", "SyncStats", "format_plan", "plan_buckets"]
+__all__ = ["Bucket", "BucketTuner", "GradSync", "SyncStats", "TuningResult", "format_plan", "plan_buckets"]

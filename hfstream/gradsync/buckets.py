@@ -12,8 +12,13 @@ The plan follows PyTorch DDP's reducer (``compute_bucket_assignment_by_size``; L
   their gradients (the last layer's gradient is ready first);
 - a bucket holds tensors of one dtype on one device (the flat buffer it is reduced in has one
   dtype and lives on one device), so each (dtype, device) pair fills its own buckets;
-- a parameter is never split: a bucket holds at most ``bucket_mb`` MiB unless a single
-  parameter is larger, in which case that parameter is a bucket of its own;
+- a bucket is *filled until it reaches* the cap: it closes as soon as its bytes are >= the cap,
+  so every bucket but the last of its (dtype, device) holds at least ``bucket_mb`` MiB, and at
+  most the cap plus one parameter. A parameter is never split. ``bucket_mb=0`` therefore gives
+  one parameter per bucket and ``float('inf')`` one bucket per (dtype, device);
+- the first bucket of each (dtype, device) may have a cap of its own, ``first_bucket_mb``
+  (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, under its default cap): the gradients of the
+  last layers then leave as soon as they exist instead of waiting for a whole bucket's worth;
 - the buckets are ordered by their first parameter, i.e. by when they are expected to be ready.
   Every rank computes the same plan from the same model, which is what lets all ranks launch
   the same collectives in the same order.
@@ -57,28 +62,36 @@ class Bucket:
     device: torch.device
 
 
-def bucket_cap_bytes(bucket_mb: float) -> float:
-    """Turn ``bucket_mb`` (MiB; 0 = one parameter per bucket; inf = one bucket) into bytes.
+def bucket_cap_bytes(bucket_mb: float, argument: str = "bucket_mb") -> float:
+    """Turn a cap in MiB (0 = one parameter per bucket; inf = one bucket) into bytes.
 
     Raises:
-        ValueError: for a negative, NaN or non-numeric value, naming the argument.
+        ValueError: for a negative, NaN or non-numeric value, naming ``argument``.
     """
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, Real) or math.isnan(bucket_mb) or bucket_mb < 0:
         raise ValueError(
-            f"bucket_mb={bucket_mb!r} is not valid; accepted values: a number of MiB >= 0 "
+            f"{argument}={bucket_mb!r} is not valid; accepted values: a number of MiB >= 0 "
             f"(0 = one parameter per bucket, float('inf') = one bucket per dtype and device)"
         )
     return float(bucket_mb) * MiB
 
 
-def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_mb: float) -> list[Bucket]:
-    """Group tensors into buckets of at most ``bucket_mb`` MiB, in reverse order of ``named_tensors``.
+def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_mb: float,
+                 first_bucket_mb: float | None = None) -> list[Bucket]:
+    """Group tensors into buckets that close once they reach ``bucket_mb`` MiB, in reverse order.
+
+    The assignment is DDP's (``torch.distributed._compute_bucket_assignment_by_size``): take the
+    tensors one by one, add each to the open bucket of its (dtype, device), and close that bucket
+    as soon as it holds ``>=`` its cap. Buckets are therefore at least the cap (except the last
+    one of each dtype and device) and never split a tensor.
 
     Args:
         named_tensors: ``(name, tensor)`` pairs in registration order, without duplicates
             (``model.named_parameters()`` already drops the second name of a tied tensor).
         bucket_mb: cap per bucket in MiB; 0 puts every tensor in a bucket of its own,
             ``float('inf')`` gives one bucket per (dtype, device).
+        first_bucket_mb: cap of the first bucket of each (dtype, device), the one that holds the
+            gradients backward produces first; None = ``bucket_mb``.
 
     Returns:
         The buckets in launch order (by the position of their first tensor in reverse order).
@@ -88,25 +101,26 @@ def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_mb: f
     [('b.weight',), ('a.bias',), ('a.weight',)]
     >>> [b.names for b in plan_buckets(layers, bucket_mb=float("inf"))]
     [('b.weight', 'a.bias', 'a.weight')]
+    >>> [b.names for b in plan_buckets(layers, bucket_mb=64 / 2**20)]   # 64 B: b.weight alone reaches it
+    [('b.weight',), ('a.bias', 'a.weight')]
     """
     cap = bucket_cap_bytes(bucket_mb)
+    first_cap = cap if first_bucket_mb is None else bucket_cap_bytes(first_bucket_mb, "first_bucket_mb")
     open_buckets: dict[tuple[torch.dtype, torch.device], list[tuple[int, str, torch.Tensor]]] = {}
     open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+    closed_keys: set[tuple[torch.dtype, torch.device]] = set()   # keys whose first bucket is closed
     closed: list[list[tuple[int, str, torch.Tensor]]] = []
     for order, (name, tensor) in enumerate(reversed(list(named_tensors))):
         key = (tensor.dtype, tensor.device)
-        nbytes = tensor.numel() * tensor.element_size()
-        members = open_buckets.get(key)
-        # Close the open bucket of this key if this tensor would overflow it. An empty bucket
-        # always takes the tensor, so a tensor larger than the cap becomes a bucket of its own.
-        if members and open_bytes[key] + nbytes > cap:
-            closed.append(members)
-            members = None
-        if members is None:
-            members = open_buckets[key] = []
-            open_bytes[key] = 0
+        members = open_buckets.setdefault(key, [])
         members.append((order, name, tensor))
-        open_bytes[key] += nbytes
+        open_bytes[key] = open_bytes.get(key, 0) + tensor.numel() * tensor.element_size()
+        # Close once the cap is reached (not before it would be exceeded): DDP's rule, so the
+        # same cap gives the same buckets, and a tensor larger than the cap is a bucket of its own.
+        if open_bytes[key] >= (cap if key in closed_keys else first_cap):
+            closed.append(members)
+            closed_keys.add(key)
+            open_buckets[key], open_bytes[key] = [], 0
     closed.extend(m for m in open_buckets.values() if m)
     # Interleave the (dtype, device) streams by expected readiness: the bucket whose first
     # gradient comes earliest in backward goes first.

@@ -14,7 +14,8 @@ Where gradients leave and where they come back:
     _on_grad_ready   a parameter's gradient is accumulated (``register_post_accumulate_grad_hook``)
     _launch          every bucket that is complete is copied into its flat buffer, scaled by
                      1/world_size, and all-reduced with ``async_op=True`` -- in plan order only
-    finish()         launches what is left, waits, and copies the mean back into ``.grad``
+    finish()         launches what is left, then waits for each bucket in turn and copies its
+                     mean back into ``.grad`` while the later buckets are still on the wire
 
 Two rules keep every rank's collectives matched, which is what stops a rank from hanging:
 buckets are launched in the same (plan) order on every rank, even if a later bucket is complete
@@ -22,6 +23,7 @@ first; and every bucket is launched every synchronised step, even if a parameter
 gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
 
     sync = GradSync(model, bucket_mb=25.0)        # broadcasts rank 0's weights, plans, hooks
+                                                   # (bucket_mb="auto": tuned in the first steps, tune.py)
     for k, batch in enumerate(micro_batches):
         with sync.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
             model(**batch).loss.backward()         # the last one launches buckets as it goes
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -46,6 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import streams
 from .buckets import Bucket, bucket_cap_bytes, plan_buckets
+from .tune import CANDIDATES_MB, BucketTuner, TuningResult, distinct_candidates, log_choice
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,8 @@ MODES = ("overlap", "serial")
 STREAM_PRIORITIES = ("high", "normal")
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _BROADCAST_MB = 64.0   # chunk size of the coalesced broadcast at construction
+DEFAULT_FIRST_BUCKET_MB = 1.0   # DDP's _DEFAULT_FIRST_BUCKET_BYTES
+DEFAULT_BUCKET_MB = 25.0        # DDP's default bucket_cap_mb; also the plan of an inactive "auto"
 
 # Which GradSync hooks a parameter, so that a second one on the same model is refused instead of
 # reducing every gradient twice. Keyed weakly by tensor identity (tensors compare elementwise),
@@ -67,7 +73,8 @@ class SyncStats:
     Args:
         comm_busy_ms: time at least one reduction was in flight (union of the bucket spans).
         exposed_comm_ms: time ``finish()`` kept the caller waiting, from entering it until every
-            reduction had completed (launching leftover buckets included, copying back excluded).
+            reduction had completed (launching leftover buckets included; the buckets that
+            complete earlier are copied back while the later ones are still in flight).
             On an accelerator: the time the compute stream stalled waiting, from events.
         num_collectives: all-reduces launched in that step (one per bucket).
         bucket_spans: ``(bucket index, launch time, finish time)`` in ``time.perf_counter()``
@@ -86,12 +93,18 @@ class _BucketState:
 
     def __init__(self, plan: Bucket, params: list[torch.nn.Parameter], wire_dtype: torch.dtype):
         self.plan, self.params, self.wire_dtype = plan, params, wire_dtype
-        self.offsets, offset = [], 0
-        for p in params:
-            self.offsets.append(offset)
-            offset += p.numel()
         self.buffer: torch.Tensor | None = None   # allocated at first launch, then reused
+        self.views: list[torch.Tensor] = []       # each parameter's slice of it, in its shape
+        self.flags: torch.Tensor | None = None    # one "used" flag per parameter, after the gradients
         self.reset()
+
+    def allocate(self) -> None:
+        self.buffer = torch.empty(self.plan.numel + len(self.params), dtype=self.wire_dtype, device=self.plan.device)
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        self.flags = self.buffer[offset:]
 
     def reset(self) -> None:
         n = len(self.params)
@@ -128,8 +141,13 @@ class GradSync:
 
     Args:
         model: the module to hook, in place (no wrapper).
-        bucket_mb: cap per bucket in MiB; 0 = one parameter per bucket, ``float('inf')`` = one
-            bucket per (dtype, device). A parameter is never split.
+        bucket_mb: bucket cap in MiB, with DDP's meaning (``bucket_cap_mb``): a bucket is filled
+            until it *reaches* the cap, so buckets hold at least the cap except the last one;
+            a parameter is never split. 0 = one parameter per bucket, ``float('inf')`` = one
+            bucket per (dtype, device). ``"auto"`` = tuned online: the first synchronised steps
+            try 1, 2, 4, 8, 16 and 32 MiB (those that cut this model differently), a warm-up
+            and two scored steps each, and keep the fastest for the rest of training (see
+            `hfstream.gradsync.tune`; ``tuning`` shows the progress, ``tuning_result`` the choice).
         mode: ``"overlap"`` launches each bucket from the gradient hooks as soon as it is
             complete; ``"serial"`` communicates nothing during backward and reduces every bucket
             in ``finish()`` (the baseline that shows what overlap buys).
@@ -149,6 +167,10 @@ class GradSync:
             stream, whose priority is fixed when the group is created
             (``ProcessGroupNCCL.Options(is_high_priority_stream=True)`` as ``pg_options``);
             GradSync does not create communicators of its own. No effect on CPU/gloo.
+        first_bucket_mb: cap of the first bucket, the one holding the gradients backward
+            produces first, so that the first reduction starts early (DDP's
+            ``_DEFAULT_FIRST_BUCKET_BYTES``). None (default) = 1 MiB, or ``bucket_mb`` when that is
+            smaller or infinite (``inf`` keeps its meaning: one bucket). A number >= 0 sets it.
 
     Parameters without a gradient: a parameter whose hook did not fire in the synchronised
     backward still travels in its bucket, so all ranks launch the same collectives and none
@@ -172,6 +194,13 @@ class GradSync:
 
     Attributes:
         buckets: the plan, a list of `Bucket` (index, names, numel, nbytes, dtype, device).
+        bucket_mb: the cap in use: the number given; under ``"auto"``, the string ``"auto"``
+            while tuning and the chosen cap once tuning is over (25.0 with a single process,
+            where nothing is tuned).
+        tuning: while ``bucket_mb="auto"`` is being tuned, the `BucketTuner` (its step, the
+            candidate on trial, the scores so far); None otherwise.
+        tuning_result: once tuning is over, the `TuningResult` (chosen cap, score per candidate,
+            steps taken); None without ``"auto"``.
         require_backward_grad_sync: False makes the hooks only record that a gradient arrived,
             as under ``no_sync()`` (the name DDP and Accelerate use).
         world_size: ranks in the group; 1 (or no process group) means GradSync does nothing.
@@ -180,22 +209,31 @@ class GradSync:
     def __init__(
         self,
         model: torch.nn.Module,
-        bucket_mb: float = 25.0,
+        bucket_mb: float | str = DEFAULT_BUCKET_MB,
         mode: str = "overlap",
         process_group: dist.ProcessGroup | None = None,
         comm_dtype: str | torch.dtype | None = None,
         comm_stream_priority: str = "high",
+        first_bucket_mb: float | None = None,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not valid; accepted values: 'overlap' (reduce during backward), "
                              f"'serial' (reduce everything in finish())")
-        bucket_cap_bytes(bucket_mb)
+        auto = isinstance(bucket_mb, str) and bucket_mb == "auto"
+        if not auto:
+            try:
+                bucket_cap_bytes(bucket_mb)
+            except ValueError as exc:
+                raise ValueError(f"{exc}, or 'auto' (tuned online in the first steps)") from None
+        if first_bucket_mb is not None:
+            bucket_cap_bytes(first_bucket_mb, "first_bucket_mb")
         if comm_stream_priority not in STREAM_PRIORITIES:
             raise ValueError(f"comm_stream_priority={comm_stream_priority!r} is not valid; accepted values: "
                              f"'high', 'normal'")
-        self.model, self.mode, self.bucket_mb = model, mode, float(bucket_mb)
+        self.model, self.mode = model, mode
+        self.first_bucket_mb = first_bucket_mb
         self._owned: list[torch.Tensor] = []
         self.comm_dtype = _parse_comm_dtype(comm_dtype)
         self.comm_stream_priority = comm_stream_priority
@@ -209,7 +247,7 @@ class GradSync:
                     f"this model is already hooked by {owner()!r}; call close() on it (or leave its "
                     f"`with` block) before constructing another GradSync, or every gradient is reduced twice"
                 )
-        self.buckets: list[Bucket] = plan_buckets(named, bucket_mb)
+        self._named = named
 
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
@@ -220,27 +258,63 @@ class GradSync:
         self._active = self.world_size > 1
         self._handles: list = []
         self._states: list[_BucketState] = []
+        self._where: list[tuple[_BucketState, int]] = []   # per hooked parameter: its bucket and slot
         self._streams: dict[torch.device, object] = {}
         self._lock = threading.Lock()   # hooks may run on several autograd device threads
         self._stats = SyncStats()
         self._pending_stats = None       # device events of the last step, resolved when read
+        self._tuner: BucketTuner | None = None
+        self.tuning_result: TuningResult | None = None
+        self._score_start = None         # first synchronised hook of the step: (host time, event or None)
+
+        self.bucket_mb: float | str
+        if auto and self._active:
+            # Every rank prunes the same candidates from the same model, so all agree on the
+            # schedule without talking; only the final choice needs a collective (tune.py).
+            caps, counts = distinct_candidates(self._plan_for, CANDIDATES_MB)
+            self._tuner = BucketTuner(caps, counts)
+            self.bucket_mb, self._planned_mb = "auto", self._tuner.current_mb
+        else:
+            self.bucket_mb = self._planned_mb = DEFAULT_BUCKET_MB if auto else float(bucket_mb)
+        self.buckets: list[Bucket] = self._plan_for(self._planned_mb)
         self._reset_step()
         if self._active:
             self._broadcast_from_rank0()
-            by_name = dict(named)
-            for plan in self.buckets:
-                wire = self.comm_dtype if (self.comm_dtype is not None and plan.dtype.is_floating_point) else plan.dtype
-                self._states.append(_BucketState(plan, [by_name[n] for n in plan.names], wire))
-                if streams.is_accelerator(plan.device) and plan.device not in self._streams:
-                    self._streams[plan.device] = streams.new_stream(plan.device, comm_stream_priority)
-            for st in self._states:
-                for slot, p in enumerate(st.params):
-                    hook = functools.partial(self._on_grad_ready, st.plan.index, slot)
-                    self._handles.append(p.register_post_accumulate_grad_hook(hook))
+            self._build_states()
+            for i, (_, p) in enumerate(named):
+                # The hook knows the parameter's position only: _where maps it to its current
+                # bucket, so re-planning (bucket_mb="auto") needs no new hooks.
+                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)))
             self._hint_nccl_priority()
         self._owned = [p for _, p in named]
         for p in self._owned:
             _OWNERS[p] = weakref.ref(self)
+
+    @property
+    def tuning(self) -> BucketTuner | None:
+        """The tuner while ``bucket_mb="auto"`` is still trying caps; None otherwise."""
+        return self._tuner
+
+    def _plan_for(self, cap_mb: float) -> list[Bucket]:
+        first = self.first_bucket_mb
+        if first is None:
+            first = min(DEFAULT_FIRST_BUCKET_MB, cap_mb) if math.isfinite(cap_mb) else cap_mb
+        return plan_buckets(self._named, cap_mb, first)
+
+    def _build_states(self) -> None:
+        """Run-time state for ``self.buckets``; points every parameter's hook at its bucket."""
+        index = {id(p): i for i, (_, p) in enumerate(self._named)}
+        by_name = dict(self._named)
+        self._states = []
+        self._where = [None] * len(self._named)
+        for plan in self.buckets:
+            wire = self.comm_dtype if (self.comm_dtype is not None and plan.dtype.is_floating_point) else plan.dtype
+            st = _BucketState(plan, [by_name[n] for n in plan.names], wire)
+            self._states.append(st)
+            for slot, p in enumerate(st.params):
+                self._where[index[id(p)]] = (st, slot)
+            if streams.is_accelerator(plan.device) and plan.device not in self._streams:
+                self._streams[plan.device] = streams.new_stream(plan.device, self.comm_stream_priority)
 
     # -- construction ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -275,35 +349,38 @@ class GradSync:
                         "to raise it (GradSync packs buckets on a high-priority stream either way)")
 
     # -- where gradients leave -------------------------------------------------------------------
-    def _on_grad_ready(self, index: int, slot: int, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
-            st = self._states[index]
+            st, slot = self._where[i]
             if st.work is not None:
                 # finish() would overwrite this contribution with the mean computed without it.
                 raise RuntimeError(
                     f"GradSync: parameter {st.plan.names[slot]!r} received another gradient after its bucket "
-                    f"{index} was launched. Call finish() after every synchronised backward, run earlier "
+                    f"{st.plan.index} was launched. Call finish() after every synchronised backward, run earlier "
                     f"backward passes under no_sync(), and use checkpoint(..., use_reentrant=False)"
                 )
             st.used[slot] = True
             if not self.require_backward_grad_sync:
                 return   # accumulation micro-step: the gradient just accumulates locally
-            self._sync_pending = True
-            if self.mode == "serial":
+            if not self._sync_pending:
+                self._sync_pending = True
+                if self._tuner is not None:
+                    self._mark_score_start(param)
+            if self.mode == "serial" or st.ready[slot]:
                 return
-            if not st.ready[slot]:
-                st.ready[slot] = True
-                st.pending -= 1
+            st.ready[slot] = True
+            st.pending -= 1
             # Launch in plan order only: collectives are matched by the order they are issued, so a
             # bucket that completes early waits for the ones before it (they complete soon after).
-            while self._next < len(self._states) and self._states[self._next].pending == 0:
-                self._launch(self._states[self._next])
+            states = self._states
+            while self._next < len(states) and states[self._next].pending == 0:
+                self._launch(states[self._next])
 
     def _launch(self, st: _BucketState) -> None:
         device = st.plan.device
         stream = self._streams.get(device)
         if st.buffer is None:
-            st.buffer = torch.empty(st.plan.numel + len(st.params), dtype=st.wire_dtype, device=device)
+            st.allocate()
         if stream is not None:
             # The gradients were written on the compute stream; the side stream must not read earlier.
             stream.wait_stream(streams.current_stream(device))
@@ -320,9 +397,8 @@ class GradSync:
 
     @torch.no_grad()
     def _pack(self, st: _BucketState, stream) -> None:
-        flat = st.buffer
-        for slot, p in enumerate(st.params):
-            dst = flat[st.offsets[slot]:st.offsets[slot] + p.numel()].view(p.shape)
+        world_size = self.world_size
+        for slot, (p, dst) in enumerate(zip(st.params, st.views)):
             grad = p.grad
             if grad is None:
                 dst.zero_()   # no gradient on this rank: it contributes zeros to the mean
@@ -332,13 +408,14 @@ class GradSync:
             if stream is not None:
                 streams.record_stream(grad, stream)   # keep its memory until the side stream has read it
             # Divide before the sum, in the gradient's precision (fp32 for fp32 grads): sum(g_r / N)
-            # is the mean, and partial sums on a compressed wire stay within max_r |g_r|.
-            torch.div(grad, self.world_size, out=dst)
-        flags = flat[st.plan.numel:]
+            # is the mean, and partial sums on a compressed wire stay within max_r |g_r|. One op per
+            # parameter that scales while it copies beats a fused copy plus a pass to scale on CPU
+            # (59 vs 97 us for a 2.25 MiB bucket of 5 tensors).
+            torch.div(grad, world_size, out=dst)
         if all(st.used):
-            flags.fill_(1)
+            st.flags.fill_(1)
         else:
-            flags.copy_(torch.tensor([float(u) for u in st.used], dtype=flat.dtype))
+            st.flags.copy_(torch.tensor([float(u) for u in st.used], dtype=st.flags.dtype))
 
     def _mark_done(self, st: _BucketState, _fut) -> None:
         # Runs when the work completes (gloo: on its thread). On an accelerator the current stream
@@ -371,13 +448,20 @@ class GradSync:
         with self._lock:
             while self._next < len(self._states):
                 self._launch(self._states[self._next])
-        failed, error = [], None
+        # Wait for the buckets in launch order and write each one back as soon as it is reduced:
+        # copying bucket k back overlaps the reductions still on the wire, so only the last
+        # bucket's copy is left after the last reduction.
+        failed, error, t_done = [], None, t_enter
         for st in self._states:
             try:
                 st.work.wait()
             except Exception as exc:   # gloo raises once the process group's timeout expires
                 failed.append(st)
                 error = error or exc
+                continue
+            if not failed:
+                t_done = time.perf_counter()
+                self._unpack(st)
         if failed:
             self._reset_step()
             names = [n for st in failed for n in st.plan.names]
@@ -386,7 +470,8 @@ class GradSync:
                 f"GradSync.finish(): the all-reduce of bucket(s) {[st.plan.index for st in failed]} did not "
                 f"complete (parameters: {shown}). A peer rank did not launch the same buckets in the same order "
                 f"before the process group's timeout, or stopped: every rank must run the same synchronised "
-                f"backward (outside no_sync()) and call finish(). Underlying error: {error}"
+                f"backward (outside no_sync()) and call finish(); .grad holds partial results. "
+                f"Underlying error: {error}"
             ) from error
         for st in self._states:
             st.done.wait()
@@ -395,29 +480,70 @@ class GradSync:
             # orders it after the packing, so the next step's writes to .grad cannot race it.
             streams.current_stream(d).wait_stream(stream)
             waits[d][1].record(streams.current_stream(d))
-        t_done = time.perf_counter()
-        for st in self._states:
-            self._unpack(st)
         self._record_stats(t_enter, t_done, waits)
         self._reset_step()
+        if self._tuner is not None:
+            self._tune_step()
 
     finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
 
     def _unpack(self, st: _BucketState) -> None:
-        flat = st.buffer
         used_anywhere = None
         if not all(st.used):
             # Only a bucket with a parameter unused here needs the flags on the host (a device sync).
-            used_anywhere = (flat[st.plan.numel:] > 0).tolist()
-        for slot, p in enumerate(st.params):
+            used_anywhere = (st.flags > 0).tolist()
+        # Read .grad now, not at launch: zero_grad(set_to_none=...) may have replaced it.
+        grads, means = [], []
+        for slot, (p, mean) in enumerate(zip(st.params, st.views)):
             if used_anywhere is not None and not used_anywhere[slot]:
                 continue   # no rank used it: leave .grad untouched (None stays None), as DDP does
-            src = flat[st.offsets[slot]:st.offsets[slot] + p.numel()].view(p.shape)
-            # Read .grad now, not at launch: zero_grad(set_to_none=...) may have replaced it.
             if p.grad is None:
-                p.grad = torch.empty_like(p).copy_(src)
-            else:
-                p.grad.copy_(src)
+                p.grad = torch.empty_like(p)
+            grads.append(p.grad)
+            means.append(mean)
+        if grads:
+            torch._foreach_copy_(grads, means)   # one fused copy per bucket; casts back from a compressed wire
+
+    # -- bucket_mb="auto" -------------------------------------------------------------------------
+    def _mark_score_start(self, param: torch.Tensor) -> None:
+        event = None
+        if streams.is_accelerator(param.device):
+            event = streams.new_event(param.device, enable_timing=True)
+            event.record(streams.current_stream(param.device))
+        self._score_start = (time.perf_counter(), event, param.device)
+
+    def _step_score_ms(self) -> float:
+        """This step's tuning score: first synchronised gradient hook to the end of finish()."""
+        start, event, device = self._score_start
+        self._score_start = None
+        if event is None:
+            return (time.perf_counter() - start) * 1e3
+        end = streams.new_event(device, enable_timing=True)
+        end.record(streams.current_stream(device))
+        end.synchronize()   # tuning steps only: the score must be known before the next step
+        return event.elapsed_time(end)
+
+    def _tune_step(self) -> None:
+        """Between steps, on every rank alike: score the step, then move to the next cap or decide."""
+        tuner = self._tuner
+        tuner.observe(self._step_score_ms())
+        if tuner.done:
+            result = tuner.decide(self.process_group, self.world_size)
+            self._tuner, self.tuning_result, self.bucket_mb = None, result, result.bucket_mb
+            self._replan(result.bucket_mb)
+            log_choice(result)
+        elif tuner.current_mb != self._planned_mb:
+            self._replan(tuner.current_mb)
+
+    def _replan(self, cap_mb: float) -> None:
+        # Only between steps (nothing in flight, every mean written back) and to the same cap on
+        # every rank. The hooks find the new buckets through _where; the old buffers are released.
+        self._planned_mb = cap_mb
+        plan = self._plan_for(cap_mb)
+        if [b.names for b in plan] != [b.names for b in self.buckets]:
+            self.buckets = plan
+            self._build_states()
+            self._reset_step()
 
     def _record_stats(self, t_enter: float, t_done: float, waits: dict) -> None:
         order = [self._states[i] for i in self._launch_order]
@@ -492,7 +618,7 @@ class GradSync:
         self._owned = []
         self._reset_step()
         for st in self._states:
-            st.buffer = None
+            st.buffer, st.views, st.flags = None, [], None
         self._active = False
 
     def __enter__(self) -> "GradSync":
@@ -503,4 +629,4 @@ class GradSync:
 
     def __repr__(self) -> str:
         return (f"GradSync(mode={self.mode!r}, world_size={self.world_size}, buckets={len(self.buckets)}, "
-                f"bucket_mb={self.bucket_mb}, comm_dtype={self.comm_dtype}, active={self._active})")
+                f"bucket_mb={self.bucket_mb!r}, comm_dtype={self.comm_dtype}, active={self._active})")

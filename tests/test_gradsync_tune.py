@@ -1,0 +1,206 @@
+"""``GradSync(bucket_mb="auto")`` on CPU with gloo and two processes: what a user relies on.
+
+- every rank ends up with the same cap and the same plan, even when their own timings would
+  pick different caps (fake timings injected on each rank);
+- tuning ends after a number of synchronised steps known in advance, skips the candidates that
+  cut the model like a smaller one, counts only synchronised steps (not ``no_sync()`` micro-steps),
+  and logs the choice with its measurements;
+- training stays in step-by-step parity with single-process training while the buckets are
+  re-planned under it (no gradient lost or counted twice), with accumulation, a parameter only
+  one rank uses and one no rank uses;
+- with one process nothing is tuned; bad values are refused with the accepted ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hfstream.gradsync import GradSync
+from hfstream.testing import run_on_ranks
+
+DIM, LAYERS, BATCH = 512, 9, 16   # 9 layers of 1 MiB: 1, 2, 4, 8 and 16 MiB cut it differently, 32 like 16
+
+
+class WideMLP(nn.Module):
+    """Nine 1 MiB layers, a head only rank 0's samples use, and a layer no sample uses.
+
+    The side layers are registered first, so they sit in the last bucket (reverse registration
+    order) and travel with gradients that every rank has.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.never = nn.Linear(4, 4)
+        self.side = nn.Linear(DIM, 1)
+        self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(LAYERS))
+
+    def forward(self, x, flagged):
+        h = x
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        loss = h.pow(2).mean()
+        if flagged.any():
+            # Summed over the flagged samples, divided by the batch: additive across shards.
+            loss = loss + self.side(x[flagged]).pow(2).sum() / x.shape[0]
+        return loss
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(500 + step)
+    x = torch.randn(BATCH, DIM, generator=g)
+    flagged = torch.zeros(BATCH, dtype=torch.bool)
+    flagged[: BATCH // 2] = step % 2 == 0   # rank 0's half, every other step
+    return x, flagged
+
+
+def _max_rel_diff(model, ref, grads):
+    worst = 0.0
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        a, b = (p.grad, q.grad) if grads else (p.detach(), q.detach())
+        if a is None or b is None:
+            if (a is None) != (b is None):
+                return float("inf")   # None on one side only: a lost or invented gradient
+            continue
+        worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item())
+    return worst
+
+
+def train_auto(rank, world_size, *, steps, accum=1, set_to_none=True, fake_scores=None):
+    """Train with bucket_mb="auto" on this rank's half of each batch and, on every rank, a
+    single-process reference on the whole batch; report per step what a user would check."""
+    torch.manual_seed(100 + rank)   # different weights per rank until the broadcast
+    model = WideMLP()
+    torch.manual_seed(100)
+    ref = WideMLP()                  # rank 0's weights: what the broadcast installs everywhere
+    records = []
+    handler = _ListHandler()
+    logging.getLogger("hfstream.gradsync").addHandler(handler)
+    logging.getLogger("hfstream.gradsync").setLevel(logging.INFO)
+    sync = GradSync(model, bucket_mb="auto")
+    tuner = sync.tuning
+    out = {"candidates": list(tuner.candidates_mb), "total_steps": tuner.total_steps, "per_step": []}
+    if fake_scores is not None:
+        real_observe = tuner.observe
+        tuner.observe = lambda ms: real_observe(fake_scores[tuner.current_mb])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    per_rank = BATCH // world_size
+    for step in range(steps):
+        x, flagged = batch(step)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        for k, (xs, fs) in enumerate(zip(x[mine].chunk(accum), flagged[mine].chunk(accum))):
+            with sync.no_sync() if k < accum - 1 else contextlib.nullcontext():
+                (model(xs, fs) / accum).backward()
+        sync.finish()
+        ref(x, flagged).backward()
+        record = {"tuning": sync.tuning is not None, "bucket_mb": sync.bucket_mb, "buckets": len(sync.buckets),
+                  "collectives": sync.stats.num_collectives,
+                  "grad_diff": _max_rel_diff(model, ref, grads=True),
+                  "never_grad_is_none": model.never.weight.grad is None}
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
+        ref_opt.zero_grad(set_to_none=set_to_none)
+        record["param_diff"] = _max_rel_diff(model, ref, grads=False)
+        record["checksum"] = sum(p.double().sum().item() * (i + 1) for i, p in enumerate(model.parameters()))
+        records.append(record)
+    out["per_step"] = records
+    result = sync.tuning_result
+    out["result"] = None if result is None else (result.bucket_mb, result.num_buckets, result.scores_ms, result.steps)
+    out["final_plan"] = [b.names for b in sync.buckets]
+    out["logs"] = handler.messages
+    logging.getLogger("hfstream.gradsync").removeHandler(handler)
+    sync.close()
+    return out
+
+
+class _ListHandler(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+# Rank 0 alone would pick 2 MiB, rank 1 alone 8 MiB; by the slowest rank, 4 MiB is best.
+FAKE = [{1.0: 50.0, 2.0: 10.0, 4.0: 20.0, 8.0: 40.0, 16.0: 60.0, 32.0: 60.0},
+        {1.0: 50.0, 2.0: 30.0, 4.0: 20.0, 8.0: 15.0, 16.0: 60.0, 32.0: 60.0}]
+
+
+def tune_suite(rank, world_size):
+    return {
+        "real": train_auto(rank, world_size, steps=20),
+        "accum": train_auto(rank, world_size, steps=18, accum=2, set_to_none=False),
+        "fake": train_auto(rank, world_size, steps=17, fake_scores=FAKE[rank]),
+    }
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    return run_on_ranks(tune_suite, 2, timeout=240)
+
+
+@pytest.mark.multiprocess
+def test_every_rank_chooses_the_same_cap_even_when_their_timings_disagree(tuned):
+    r0, r1 = tuned[0]["fake"], tuned[1]["fake"]
+    assert r0["result"][0] == r1["result"][0] == 4.0            # the best cap by the slowest rank
+    assert r0["result"][2] == r1["result"][2]                    # the same (slowest-rank) scores
+    assert r0["final_plan"] == r1["final_plan"]
+    # With real timings too: whatever each rank measured, one choice and one plan.
+    assert tuned[0]["real"]["result"][0] == tuned[1]["real"]["result"][0]
+    assert tuned[0]["real"]["final_plan"] == tuned[1]["real"]["final_plan"]
+
+
+@pytest.mark.multiprocess
+def test_tuning_ends_after_a_bounded_number_of_synchronised_steps(tuned):
+    for rank in (0, 1):
+        for config in ("real", "accum", "fake"):
+            res = tuned[rank][config]
+            # 32 MiB cuts this 9 MiB model like 16 MiB (one bucket): it is not tried.
+            assert res["candidates"] == [1.0, 2.0, 4.0, 8.0, 16.0], config
+            assert res["total_steps"] == 5 * 3 <= 18
+            flags = [r["tuning"] for r in res["per_step"]]
+            # Tuning for exactly total_steps synchronised steps, then frozen for good; micro-steps
+            # under no_sync() do not count.
+            assert flags == [True] * (res["total_steps"] - 1) + [False] * (len(flags) - res["total_steps"] + 1), config
+            chosen, num_buckets, scores, steps = res["result"]
+            assert steps == res["total_steps"] and set(scores) == set(res["candidates"])
+            after = res["per_step"][res["total_steps"] - 1:]
+            assert all(r["bucket_mb"] == chosen and r["buckets"] == num_buckets for r in after), config
+            assert all(r["bucket_mb"] == "auto" for r in res["per_step"][: res["total_steps"] - 1])
+            # Every candidate was really used: the number of collectives changed with the plan.
+            assert len({r["collectives"] for r in res["per_step"][: res["total_steps"]]}) == 5, config
+            assert sum("bucket_mb='auto' chose" in m for m in res["logs"]) == 1
+            log = next(m for m in res["logs"] if "chose" in m)
+            assert f"chose {chosen:g} MiB" in log and all(f"{c:g} MiB:" in log for c in res["candidates"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", ["real", "accum", "fake"])
+def test_parity_with_single_process_while_buckets_are_replanned(tuned, config):
+    r0, r1 = tuned[0][config], tuned[1][config]
+    for step, (a, b) in enumerate(zip(r0["per_step"], r1["per_step"])):
+        for rank, rec in enumerate((a, b)):
+            # fp32: the runs differ only in the order the batch mean is summed.
+            assert rec["grad_diff"] < 1e-5, f"{config} rank {rank} step {step}: gradients {rec['grad_diff']:.3g}"
+            assert rec["param_diff"] < 1e-5, f"{config} rank {rank} step {step}: parameters {rec['param_diff']:.3g}"
+            assert rec["never_grad_is_none"], f"{config} step {step}: a parameter no rank used got a gradient"
+        assert a["checksum"] == b["checksum"], f"{config} step {step}: ranks hold different parameters"
+
+
+def test_auto_with_one_process_tunes_nothing():
+    with GradSync(WideMLP(), bucket_mb="auto") as sync:
+        assert sync.tuning is None and sync.tuning_result is None
+        assert sync.bucket_mb == 25.0
+
+
+@pytest.mark.parametrize("value", ["Auto", "tune", "", None, [1, 2], float("nan"), -2])
+def test_bad_bucket_mb_is_refused_with_the_accepted_values(value):
+    with pytest.raises(ValueError, match=r"bucket_mb=.*accepted values.*'auto'"):
+        GradSync(nn.Linear(2, 2), bucket_mb=value)
