@@ -67,10 +67,14 @@ class StreamTrainingArguments(TrainingArguments):
                           "'auto' (overlap under plain multi-process data parallel, native otherwise).",
                   "choices": list(GRAD_SYNC_MODES)},
     )
-    grad_bucket_mb: float = field(
+    # Typed str so that the command line accepts "auto" as well as numbers; stored as a float
+    # (or "auto") after validation.
+    grad_bucket_mb: str = field(
         default=DEFAULT_BUCKET_MB,
-        metadata={"help": "Gradient bucket cap in MiB for 'overlap'/'serial'. 0 = one parameter per bucket, "
-                          "inf = one bucket. Falls back to ddp_bucket_cap_mb when left at its default."},
+        metadata={"help": "Gradient bucket cap in MiB for 'overlap'/'serial' (a bucket closes once it reaches "
+                          "the cap, as in DDP). 0 = one parameter per bucket, inf = one bucket, 'auto' = tuned "
+                          "online in the first steps from measured communication. A number left at its default "
+                          "falls back to ddp_bucket_cap_mb when that is set."},
     )
     grad_comm_dtype: str | None = field(
         default=None,
@@ -112,16 +116,17 @@ class StreamTrainingArguments(TrainingArguments):
             )
         if self.grad_sync not in GRAD_SYNC_MODES:
             raise _choice_error("grad_sync", self.grad_sync, GRAD_SYNC_MODES)
-        try:
-            bucket = float(self.grad_bucket_mb)
-        except (TypeError, ValueError):
-            bucket = math.nan
-        if isinstance(self.grad_bucket_mb, bool) or math.isnan(bucket) or bucket < 0:
-            raise ValueError(
-                f"grad_bucket_mb={self.grad_bucket_mb!r} is not valid; accepted values: a number of MiB >= 0 "
-                "(0 = one parameter per bucket, inf = one bucket)"
-            )
-        self.grad_bucket_mb = bucket
+        if self.grad_bucket_mb != "auto":
+            try:
+                bucket = float(self.grad_bucket_mb)
+            except (TypeError, ValueError):
+                bucket = math.nan
+            if isinstance(self.grad_bucket_mb, bool) or math.isnan(bucket) or bucket < 0:
+                raise ValueError(
+                    f"grad_bucket_mb={self.grad_bucket_mb!r} is not valid; accepted values: a number of MiB >= 0 "
+                    "(0 = one parameter per bucket, inf = one bucket) or 'auto'"
+                )
+            self.grad_bucket_mb = bucket
         if self.grad_comm_dtype is not None:
             aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
             dtype = aliases.get(str(self.grad_comm_dtype).lower(), str(self.grad_comm_dtype).lower())
@@ -142,8 +147,8 @@ class StreamTrainingArguments(TrainingArguments):
         return bool(self.fsdp) or bool(self.deepspeed) or tp
 
     @property
-    def effective_bucket_mb(self) -> float:
-        """The bucket cap hfstream's own buckets use (see the module docstring)."""
+    def effective_bucket_mb(self) -> float | str:
+        """The bucket cap hfstream's own buckets use (see the module docstring): MiB or "auto"."""
         if self.grad_bucket_mb == DEFAULT_BUCKET_MB and self.ddp_bucket_cap_mb is not None:
             return float(self.ddp_bucket_cap_mb)
         return self.grad_bucket_mb

@@ -241,6 +241,8 @@ class StreamTrainerMixin:
                 value = summary.get(key, math.nan)
                 if not math.isnan(value):
                     logs[f"stream/{key}"] = round(value, 4)
+            if self.grad_sync is not None and isinstance(self.grad_sync.bucket_mb, float):
+                logs["stream/bucket_mb"] = self.grad_sync.bucket_mb    # the tuned cap, under "auto"
         super().log(logs, *args, **kwargs)
 
     def _gather_report(self) -> None:

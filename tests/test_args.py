@@ -41,7 +41,8 @@ def test_command_line_rejects_unknown_choice(tmp_path, capsys):
     ("grad_sync", "ddp", "'overlap'"),
     ("grad_bucket_mb", -1.0, ">= 0"),
     ("grad_bucket_mb", float("nan"), ">= 0"),
-    ("grad_bucket_mb", "big", ">= 0"),
+    ("grad_bucket_mb", "big", "'auto'"),
+    ("grad_bucket_mb", "Auto", "'auto'"),
     ("grad_comm_dtype", "int8", "'bf16'"),
     ("comm_stream_priority", "urgent", "'high'"),
     ("stream_report", "yes", "True, False"),
@@ -50,6 +51,13 @@ def test_bad_values_name_the_field_and_the_accepted_values(tmp_path, field, valu
     with pytest.raises(ValueError) as err:
         make(tmp_path, **{field: value})
     assert field in str(err.value) and accepted in str(err.value)
+
+
+def test_bucket_auto_and_numbers_from_the_command_line(tmp_path):
+    parse = HfArgumentParser(StreamTrainingArguments).parse_args_into_dataclasses
+    (a,) = parse(["--output_dir", str(tmp_path), "--grad_bucket_mb", "auto", "--report_to", "none"])
+    (b,) = parse(["--output_dir", str(tmp_path), "--grad_bucket_mb", "4", "--report_to", "none"])
+    assert a.grad_bucket_mb == "auto" and a.effective_bucket_mb == "auto" and b.grad_bucket_mb == 4.0
 
 
 def test_comm_dtype_aliases(tmp_path):

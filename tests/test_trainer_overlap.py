@@ -19,6 +19,7 @@ def _stock_vs_stream(rank, world_size, tmp):
         ("overlap", StreamTrainer, StreamTrainingArguments, dict(grad_sync="overlap", prefetch_depth=0, grad_bucket_mb=0.01)),
         ("serial", StreamTrainer, StreamTrainingArguments, dict(grad_sync="serial", prefetch_depth=0)),
         ("auto", StreamTrainer, StreamTrainingArguments, dict(prefetch_depth=0)),
+        ("bucket-auto", StreamTrainer, StreamTrainingArguments, dict(prefetch_depth=2, grad_bucket_mb="auto")),
     ):
         # Different initial weights per rank: hfstream's broadcast from rank 0 must fix that, as DDP's does.
         model = tiny_causal_lm("gpt2", seed=0 if name == "ddp" else rank)
@@ -38,7 +39,7 @@ def test_overlap_and_serial_match_ddp(tmp_path, run_distributed):
     for out in ranks:
         ref = out["ddp"]
         assert len(ref["losses"]) == 20
-        for name in ("overlap", "serial", "auto"):
+        for name in ("overlap", "serial", "auto", "bucket-auto"):   # re-planning buckets loses nothing
             got = out[name]
             torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
             for k, v in ref["params"].items():
@@ -90,3 +91,20 @@ def test_auto_is_native_on_one_process(tmp_path):
     assert trainer.grad_sync_mode == "native"
     trainer.train()
     assert trainer.grad_sync is None
+
+
+def _auto_bucket(rank, world_size, tmp):
+    args = train_args(StreamTrainingArguments, tmp, max_steps=24, grad_sync="overlap", grad_bucket_mb="auto",
+                      prefetch_depth=0)
+    trainer = StreamTrainer(model=tiny_causal_lm("gpt2", seed=0), args=args, train_dataset=lm_dataset())
+    trainer.train()
+    logged = [h["stream/bucket_mb"] for h in trainer.state.log_history if "stream/bucket_mb" in h]
+    return trainer.grad_sync.bucket_mb, logged, params(trainer.model)
+
+
+def test_auto_bucket_is_tuned_identically_on_every_rank(tmp_path, run_distributed):
+    (mb0, logged0, p0), (mb1, logged1, p1) = run_distributed(_auto_bucket, 2, str(tmp_path),
+                                                             init_process_group=False, timeout=300)
+    assert isinstance(mb0, float) and mb0 == mb1 and logged0 and logged0[-1] == mb0
+    for k, v in p0.items():
+        assert torch.equal(v, p1[k]), k
