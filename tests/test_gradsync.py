@@ -539,19 +539,16 @@ def test_plan_matches_ddp_bucket_assignment():
         assert got == want, (cap_mb, first_mb)
 
 
-def test_first_bucket_default_is_small_and_validated():
+def test_first_bucket_mb_caps_only_the_first_bucket():
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(24)])   # 256 KiB + 1 KiB per layer
-    with GradSync(model, bucket_mb=1.0) as sync:                       # alone: nothing is reduced
-        sizes = [b.nbytes / 2**20 for b in sync.buckets]
-    assert sizes[0] >= 1.0
-    with GradSync(model, bucket_mb=4.0) as sync:
+    with GradSync(model, bucket_mb=4.0) as sync:                       # alone: nothing is reduced
+        assert all(b.nbytes / 2**20 >= 4.0 for b in sync.buckets[:-1])   # by default, like the others
+    with GradSync(model, bucket_mb=4.0, first_bucket_mb=1.0) as sync:
         first, rest = sync.buckets[0].nbytes / 2**20, [b.nbytes / 2**20 for b in sync.buckets[1:-1]]
-    assert 1.0 <= first < 1.3 and all(r >= 4.0 for r in rest)          # DDP's 1 MiB first bucket
-    with GradSync(model, bucket_mb=4.0, first_bucket_mb=4.0) as sync:
-        assert sync.buckets[0].nbytes / 2**20 >= 4.0
-    with GradSync(model, bucket_mb=math.inf) as sync:
-        assert len(sync.buckets) == 1                                   # inf keeps its meaning
+    assert 1.0 <= first < 1.3 and rest and all(r >= 4.0 for r in rest)   # DDP's 1 MiB first bucket
+    with GradSync(model, bucket_mb=math.inf, first_bucket_mb=1.0) as sync:
+        assert len(sync.buckets) == 2
 
 
 def test_tied_weight_planned_once():
