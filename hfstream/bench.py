@@ -9,6 +9,7 @@ random tokens, with the same number of gloo ranks and the same link, once per mo
     ddp-best      the fastest DDP of a bucket sweep (--ddp-buckets; the sweep is reported too)
     overlap       GradSync(mode="overlap") at its default bucket, 25 MiB
     overlap-best  GradSync overlap at ddp-best's bucket size
+    overlap-auto  GradSync overlap with bucket_mb="auto" (tuned in its warm-up steps, then timed)
 
 and the ceiling, forward + max(backward, comm busy) + optimizer (DESIGN.md section 4), taken
 from the serial mode, where compute runs undisturbed by communication and the reductions run
@@ -63,16 +64,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-MODES = ("serial", "ddp-default", "ddp-best", "overlap", "overlap-best")
+MODES = ("serial", "ddp-default", "ddp-best", "overlap", "overlap-best", "overlap-auto")
 SHAPINGS = ("auto", "netns", "simulated")
 OVERLAP_DEFAULT_MB = 25.0   # GradSync's default bucket_mb
 # What the project aims for (measurements, not tests), for overlap at its default bucket and
 # at DDP's best bucket.
 TARGETS = {
     f"{mode} <= {limit:.2f} x {ref}": (mode, ref, limit)
-    for mode in ("overlap", "overlap-best")
+    for mode in ("overlap", "overlap-best", "overlap-auto")
     for ref, limit in (("ddp-default", 0.85), ("ddp-best", 1.00), ("ceiling", 1.15))
 }
+AUTO_TUNING_MAX_STEPS = 60   # bound on the extra warm-up an "auto" session takes to finish tuning
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -214,11 +216,11 @@ class _Session:
 
     Args:
         kind: ``"ddp"``, ``"serial"`` or ``"overlap"``.
-        bucket_mb: bucket cap in MiB; None = DDP's own default.
+        bucket_mb: bucket cap in MiB; None = DDP's own default; "auto" = GradSync tunes it.
         label: the run's name in the results, e.g. ``"ddp@4"``.
     """
 
-    def __init__(self, kind: str, bucket_mb: float | None, cfg: BenchConfig, label: str):
+    def __init__(self, kind: str, bucket_mb: float | str | None, cfg: BenchConfig, label: str):
         import torch
         import torch.distributed as dist
 
@@ -282,7 +284,8 @@ class _Session:
             })
 
     def result(self) -> dict:
-        return {"kind": self.kind, "bucket_mb": self.bucket_mb,
+        tuned = self.sync.bucket_mb if self.sync is not None and self.bucket_mb == "auto" else self.bucket_mb
+        return {"kind": self.kind, "bucket_mb": tuned,
                 "buckets": len(self.sync.buckets) if self.sync is not None else None, "records": self.records}
 
     def close(self) -> None:
@@ -304,6 +307,12 @@ def _run_interleaved(sessions: list[_Session], cfg: BenchConfig, batches: list, 
         for i in range(cfg.warmup):
             s.step(batches[s.steps % len(batches)], keep=False)
             progress.step(s.label, i + 1, cfg.warmup, "warm-up")
+        # bucket_mb="auto" tries caps in its first steps; time it only once it has chosen. The
+        # choice is collective, so every rank leaves this loop at the same step.
+        extra = 0
+        while s.sync is not None and s.sync.tuning is not None and extra < AUTO_TUNING_MAX_STEPS:
+            s.step(batches[s.steps % len(batches)], keep=False)
+            extra += 1
     rounds = max(1, min(cfg.rounds, cfg.steps))
     for r in range(rounds):
         for s in sessions:
@@ -337,7 +346,7 @@ def _rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dic
     sweep_runs = [None, *cfg.ddp_buckets] if sweep else []
     main_runs = (["serial"] * ("serial" in cfg.modes) + ["ddp-default"] * ("ddp-default" in cfg.modes)
                  + ["ddp-best"] * ("ddp-best" in cfg.modes) + ["overlap"] * ("overlap" in cfg.modes)
-                 + ["overlap-best"] * ("overlap-best" in cfg.modes))
+                 + ["overlap-best"] * ("overlap-best" in cfg.modes) + ["overlap-auto"] * ("overlap-auto" in cfg.modes))
     total = (len(sweep_runs) + len(main_runs)) * (cfg.warmup + cfg.steps)
     progress = _Progress(total, enabled=rank == 0)
 
@@ -365,7 +374,8 @@ def _rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dic
         load.append(os.getloadavg()[0])
         specs = {"serial": ("serial", OVERLAP_DEFAULT_MB), "ddp-default": ("ddp", None), "ddp-best": ("ddp", best_mb),
                  "overlap": ("overlap", OVERLAP_DEFAULT_MB),
-                 "overlap-best": ("overlap", OVERLAP_DEFAULT_MB if best_mb is None else best_mb)}
+                 "overlap-best": ("overlap", OVERLAP_DEFAULT_MB if best_mb is None else best_mb),
+                 "overlap-auto": ("overlap", "auto")}
         sessions = [_Session(*specs[m], cfg, m) for m in main_runs]
         _run_interleaved(sessions, cfg, batches, progress)
         for s in sessions:
