@@ -83,7 +83,7 @@ def train_auto(rank, world_size, *, steps, accum=1, set_to_none=True, fake_score
     logging.getLogger("hfstream.gradsync").setLevel(logging.INFO)
     sync = GradSync(model, bucket_mb="auto")
     tuner = sync.tuning
-    out = {"candidates": list(tuner.candidates_mb), "total_steps": tuner.total_steps, "per_step": []}
+    out = {"candidates": list(tuner.candidates_mb), "max_steps": tuner.max_steps, "per_step": []}
     if fake_scores is not None:
         real_observe = tuner.observe
         tuner.observe = lambda ms: real_observe(fake_scores[tuner.current_mb])
@@ -128,16 +128,18 @@ class _ListHandler(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-# Rank 0 alone would pick 2 MiB, rank 1 alone 8 MiB; by the slowest rank, 4 MiB is best.
-FAKE = [{1.0: 50.0, 2.0: 10.0, 4.0: 20.0, 8.0: 40.0, 16.0: 60.0, 32.0: 60.0},
-        {1.0: 50.0, 2.0: 30.0, 4.0: 20.0, 8.0: 15.0, 16.0: 60.0, 32.0: 60.0}]
+# Fake scores per candidate cap. On its own rank 0 would stop after 4 MiB (20 ms is more than 10%
+# above its 10 ms at 2 MiB) and pick 2 MiB; rank 1 would try everything and pick 8 MiB. By the
+# slowest rank the scores are 50, 30, 20, 40: the sweep stops after 8 MiB and picks 4 MiB.
+FAKE = [{0.25: 50.0, 2.0: 10.0, 4.0: 20.0, 8.0: 40.0, 16.0: 60.0},
+        {0.25: 50.0, 2.0: 30.0, 4.0: 20.0, 8.0: 15.0, 16.0: 60.0}]
 
 
 def tune_suite(rank, world_size):
     return {
         "real": train_auto(rank, world_size, steps=20),
         "accum": train_auto(rank, world_size, steps=18, accum=2, set_to_none=False),
-        "fake": train_auto(rank, world_size, steps=17, fake_scores=FAKE[rank]),
+        "fake": train_auto(rank, world_size, steps=16, fake_scores=FAKE[rank]),
     }
 
 
@@ -149,12 +151,16 @@ def tuned():
 @pytest.mark.multiprocess
 def test_every_rank_chooses_the_same_cap_even_when_their_timings_disagree(tuned):
     r0, r1 = tuned[0]["fake"], tuned[1]["fake"]
-    assert r0["result"][0] == r1["result"][0] == 4.0            # the best cap by the slowest rank
-    assert r0["result"][2] == r1["result"][2]                    # the same (slowest-rank) scores
+    assert r0["result"] == r1["result"]
+    chosen, _, scores, steps = r0["result"]
+    assert chosen == 4.0                                          # the best cap by the slowest rank
+    assert scores == {0.25: 50.0, 2.0: 30.0, 4.0: 20.0, 8.0: 40.0}  # stopped once 8 MiB was clearly slower
+    assert steps == 4 * 3
     assert r0["final_plan"] == r1["final_plan"]
     # With real timings too: whatever each rank measured, one choice and one plan.
-    assert tuned[0]["real"]["result"][0] == tuned[1]["real"]["result"][0]
-    assert tuned[0]["real"]["final_plan"] == tuned[1]["real"]["final_plan"]
+    for config in ("real", "accum"):
+        assert tuned[0][config]["result"] == tuned[1][config]["result"]
+        assert tuned[0][config]["final_plan"] == tuned[1][config]["final_plan"]
 
 
 @pytest.mark.multiprocess
@@ -162,23 +168,24 @@ def test_tuning_ends_after_a_bounded_number_of_synchronised_steps(tuned):
     for rank in (0, 1):
         for config in ("real", "accum", "fake"):
             res = tuned[rank][config]
-            # 32 MiB cuts this 9 MiB model like 16 MiB (one bucket): it is not tried.
-            assert res["candidates"] == [1.0, 2.0, 4.0, 8.0, 16.0], config
-            assert res["total_steps"] == 5 * 3 <= 18
-            flags = [r["tuning"] for r in res["per_step"]]
-            # Tuning for exactly total_steps synchronised steps, then frozen for good; micro-steps
-            # under no_sync() do not count.
-            assert flags == [True] * (res["total_steps"] - 1) + [False] * (len(flags) - res["total_steps"] + 1), config
+            # 0.5 and 1 MiB cut this model like 0.25 MiB (a bucket per layer), 32 like 16 MiB (all
+            # in one after the first layer): they are not tried.
+            assert res["candidates"] == [0.25, 2.0, 4.0, 8.0, 16.0], config
+            assert res["max_steps"] == 5 * 3
             chosen, num_buckets, scores, steps = res["result"]
-            assert steps == res["total_steps"] and set(scores) == set(res["candidates"])
-            after = res["per_step"][res["total_steps"] - 1:]
-            assert all(r["bucket_mb"] == chosen and r["buckets"] == num_buckets for r in after), config
-            assert all(r["bucket_mb"] == "auto" for r in res["per_step"][: res["total_steps"] - 1])
-            # Every candidate was really used: the number of collectives changed with the plan.
-            assert len({r["collectives"] for r in res["per_step"][: res["total_steps"]]}) == 5, config
+            tried = list(scores)
+            assert tried == res["candidates"][: len(tried)] and steps == 3 * len(tried) <= res["max_steps"]
+            # Tuning for exactly `steps` synchronised steps, then frozen for good; micro-steps under
+            # no_sync() do not count.
+            flags = [r["tuning"] for r in res["per_step"]]
+            assert flags == [True] * (steps - 1) + [False] * (len(flags) - steps + 1), config
+            assert all(r["bucket_mb"] == "auto" for r in res["per_step"][: steps - 1])
+            assert all(r["bucket_mb"] == chosen and r["buckets"] == num_buckets for r in res["per_step"][steps - 1:])
+            # Every candidate tried was really used: the number of collectives followed the plan.
+            assert len({r["collectives"] for r in res["per_step"][:steps]}) == len(tried), config
             assert sum("bucket_mb='auto' chose" in m for m in res["logs"]) == 1
             log = next(m for m in res["logs"] if "chose" in m)
-            assert f"chose {chosen:g} MiB" in log and all(f"{c:g} MiB:" in log for c in res["candidates"])
+            assert f"chose {chosen:g} MiB" in log and all(f"{c:g} MiB:" in log for c in tried)
 
 
 @pytest.mark.multiprocess

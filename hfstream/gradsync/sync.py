@@ -143,8 +143,9 @@ class GradSync:
             until it *reaches* the cap, so buckets hold at least the cap except the last one;
             a parameter is never split. 0 = one parameter per bucket, ``float('inf')`` = one
             bucket per (dtype, device). ``"auto"`` = tuned online: the first synchronised steps
-            try 1, 2, 4, 8, 16 and 32 MiB (those that cut this model differently), a warm-up
-            and two scored steps each, and keep the fastest for the rest of training (see
+            try caps from 0.25 MiB up to 32 MiB (those that cut this model differently), a
+            warm-up and two scored steps each, stop once a cap is clearly slower than the best,
+            and keep the fastest for the rest of training, the same on every rank (see
             `hfstream.gradsync.tune`; ``tuning`` shows the progress, ``tuning_result`` the choice).
         mode: ``"overlap"`` launches each bucket from the gradient hooks as soon as it is
             complete; ``"serial"`` communicates nothing during backward and reduces every bucket
@@ -273,7 +274,7 @@ class GradSync:
             # Every rank prunes the same candidates from the same model, so all agree on the
             # schedule without talking; only the final choice needs a collective (tune.py).
             caps, counts = distinct_candidates(self._plan_for, CANDIDATES_MB)
-            self._tuner = BucketTuner(caps, counts)
+            self._tuner = BucketTuner(caps, counts, agree=self._slowest_rank)
             self.bucket_mb, self._planned_mb = "auto", self._tuner.current_mb
         else:
             self.bucket_mb = self._planned_mb = DEFAULT_BUCKET_MB if auto else float(bucket_mb)
@@ -526,12 +527,23 @@ class GradSync:
         tuner = self._tuner
         tuner.observe(self._step_score_ms())
         if tuner.done:
-            result = tuner.decide(self.process_group, self.world_size)
+            result = tuner.decide(broadcast=self._rank0_pick)
             self._tuner, self.tuning_result, self.bucket_mb = None, result, result.bucket_mb
             self._replan(result.bucket_mb)
             log_choice(result)
         elif tuner.current_mb != self._planned_mb:
             self._replan(tuner.current_mb)
+
+    def _slowest_rank(self, score_ms: float) -> float:
+        # On the gradients' device: the one device every backend of this group serves.
+        t = torch.tensor([score_ms], dtype=torch.float64, device=self.buckets[0].device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        return t.item()
+
+    def _rank0_pick(self, index: int) -> int:
+        t = torch.tensor([index], dtype=torch.int64, device=self.buckets[0].device)
+        dist.broadcast(t, src=dist.get_global_rank(self.process_group, 0), group=self.process_group)
+        return int(t.item())
 
     def _replan(self, cap_mb: float) -> None:
         # Only between steps (nothing in flight, every mean written back) and to the same cap on
