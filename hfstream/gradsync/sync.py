@@ -169,10 +169,9 @@ class GradSync:
         first_bucket_mb: cap of the first bucket, the one holding the gradients backward
             produces first; None (default) = ``bucket_mb``. A smaller first bucket starts the
             first reduction earlier: DDP uses 1 MiB (``_DEFAULT_FIRST_BUCKET_BYTES``) when
-            ``bucket_cap_mb`` is not given. On the CPU benchmark it did not pay off (GPT-2
-            10.9M, 2 ranks, 1 Gbit/s: 735 ms per step with a 1 MiB first bucket at 25 MiB, 724
-            without; no change at 2 MiB, where the first parameter alone exceeds 1 MiB), so it
-            is off by default; under ``bucket_mb="auto"`` it applies to every candidate.
+            ``bucket_cap_mb`` is not given. It is off by default because on the CPU benchmark a
+            1 MiB first bucket made steps slower at 25 MiB and changed nothing at 2 MiB (see
+            docs/benchmarks.md); under ``bucket_mb="auto"`` it applies to every candidate.
 
     Parameters without a gradient: a parameter whose hook did not fire in the synchronised
     backward still travels in its bucket, so all ranks launch the same collectives and none
@@ -408,8 +407,8 @@ class GradSync:
                 streams.record_stream(grad, stream)   # keep its memory until the side stream has read it
             # Divide before the sum, in the gradient's precision (fp32 for fp32 grads): sum(g_r / N)
             # is the mean, and partial sums on a compressed wire stay within max_r |g_r|. One op per
-            # parameter that scales while it copies beats a fused copy plus a pass to scale on CPU
-            # (59 vs 97 us for a 2.25 MiB bucket of 5 tensors).
+            # parameter that scales while it copies: on CPU it measured faster than one fused copy
+            # (torch._foreach_copy_ or torch.cat) followed by a pass that scales the bucket.
             torch.div(grad, world_size, out=dst)
         if all(st.used):
             st.flags.fill_(1)

@@ -24,9 +24,6 @@ caps only start later still. Tuning therefore ends after at most ``len(candidate
 (warmup_steps + scored_steps)`` synchronised steps, 24 with the defaults, usually fewer.
 Re-planning happens inside ``finish()``, after the step's gradients are written back, on every
 rank at the same step: no gradient is lost or counted twice.
-
-Measured on the CPU benchmark (GPT-2 10.9M, 2 ranks, 1 Gbit/s shaped loopback): the sweep chose
-1 MiB, the plan DDP's best cap (2 MiB) also gives, and ran at DDP-best's step time after tuning.
 """
 
 from __future__ import annotations
