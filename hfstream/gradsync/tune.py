@@ -100,8 +100,8 @@ class BucketTuner:
 
     @property
     def current(self) -> int:
-        """Index of the candidate in use for the next step (the last one tried once done)."""
-        return min(len(self.scores_ms), len(self.candidates_mb) - 1)
+        """Index of the candidate in use for the next step (once done: the last one tried)."""
+        return len(self.scores_ms) - 1 if self.done else len(self.scores_ms)
 
     @property
     def current_mb(self) -> float:
