@@ -285,7 +285,8 @@ class _Session:
 
     def result(self) -> dict:
         tuned = self.sync.bucket_mb if self.sync is not None and self.bucket_mb == "auto" else self.bucket_mb
-        return {"kind": self.kind, "bucket_mb": tuned,
+        tuning = getattr(self.sync, "tuning_result", None)
+        return {"kind": self.kind, "bucket_mb": tuned, "tuning": dataclasses.asdict(tuning) if tuning else None,
                 "buckets": len(self.sync.buckets) if self.sync is not None else None, "records": self.records}
 
     def close(self) -> None:

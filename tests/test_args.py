@@ -15,7 +15,7 @@ def make(tmp_path, **kw):
 def test_defaults(tmp_path):
     a = make(tmp_path)
     assert (a.prefetch_depth, a.grad_sync, a.grad_bucket_mb, a.grad_comm_dtype, a.comm_stream_priority,
-            a.stream_report) == (2, "auto", 25.0, None, "high", True)
+            a.stream_report) == (2, "auto", "auto", None, "high", True)
 
 
 def test_every_field_parses_from_the_command_line(tmp_path):
@@ -74,4 +74,5 @@ def test_hfstream_sync_with_fsdp_says_use_native(tmp_path, mode):
 def test_bucket_falls_back_to_ddp_bucket_cap(tmp_path):
     assert make(tmp_path, ddp_bucket_cap_mb=4).effective_bucket_mb == 4.0
     assert make(tmp_path, ddp_bucket_cap_mb=4, grad_bucket_mb=8).effective_bucket_mb == 8.0
-    assert make(tmp_path).effective_bucket_mb == 25.0
+    assert make(tmp_path).effective_bucket_mb == "auto"
+    assert make(tmp_path, grad_bucket_mb=25).effective_bucket_mb == 25.0
