@@ -6,6 +6,11 @@ measures the three numbers it takes to check that, in one process with one compu
 (the second core is the prefetch thread's):
 
     python -m hfstream.bench_prefetch --steps 40 --json prefetch.json
+    python -m hfstream.bench_prefetch --report-overhead     # cost of stream_report=True
+
+``--report-overhead`` answers a different question with the same machinery: how much the step
+report's measurement costs, StreamTrainer with ``stream_report`` on vs off (no collate work,
+prefetch and hfstream sync off), alternated over several runs so drift hits both alike.
 
 The collate does real tensor work (a feature transform on every sequence), calibrated to cost
 about as much as a training step. Torch kernels release the GIL, so the thread and the
@@ -56,7 +61,8 @@ class _StepTimes:
         self.t.append(time.perf_counter())
 
 
-def _train(stream: bool, collate, steps: int, out_dir: str, batch: int, seq: int) -> list[float]:
+def _train(stream: bool, collate, steps: int, out_dir: str, batch: int, seq: int,
+           stream_kw: dict | None = None) -> list[float]:
     import datasets
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -74,7 +80,8 @@ def _train(stream: bool, collate, steps: int, out_dir: str, batch: int, seq: int
                   save_strategy="no", use_cpu=True, disable_tqdm=True, logging_strategy="no",
                   dataloader_num_workers=0, remove_unused_columns=False, seed=0)
     if stream:
-        args, cls = StreamTrainingArguments(**common, prefetch_depth=2, grad_sync="native"), StreamTrainer
+        kw = {"prefetch_depth": 2, "grad_sync": "native", **(stream_kw or {})}
+        args, cls = StreamTrainingArguments(**common, **kw), StreamTrainer
     else:
         args, cls = TrainingArguments(**common), Trainer
     trainer = cls(model=_tiny_lm(), args=args, train_dataset=ds, data_collator=collate, callbacks=[Clock()])
@@ -113,10 +120,26 @@ def run(steps: int = 40, warmup: int = 5, batch: int = 8, seq: int = 128, rounds
             "torch": torch.__version__}
 
 
+def report_overhead(steps: int = 40, warmup: int = 5, repeats: int = 4, batch: int = 8, seq: int = 128,
+                    out_dir: str = "runs/bench_report") -> dict:
+    """Median step time with the step report on and off, runs alternated ``repeats`` times."""
+    torch.set_num_threads(1)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(repeats):
+        for on in (False, True):
+            kw = dict(prefetch_depth=0, grad_sync="native", stream_report=on)
+            times[on] += _train(True, CostlyCollate(0), steps, out_dir, batch, seq, kw)[warmup:]
+    off_ms, on_ms = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
+    return {"report_off_step_ms": off_ms, "report_on_step_ms": on_ms, "overhead": on_ms / off_ms - 1.0,
+            "steps_each": len(times[True]), "repeats": repeats, "torch": torch.__version__}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the median (default 5)")
     p.add_argument("--rounds", type=int, default=None, help="collate work; default: calibrated to one step")
+    p.add_argument("--report-overhead", action="store_true",
+                   help="instead: measure the cost of stream_report=True (on vs off, alternated)")
     p.add_argument("--json", default=None, help="write the result here")
 
 
@@ -127,16 +150,26 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | None
             parser.error(msg)
         print(f"hfstream bench-prefetch: error: {msg}", file=sys.stderr)
         return 2
-    r = run(steps=ns.steps, warmup=ns.warmup, rounds=ns.rounds)
+    if ns.report_overhead:
+        r = report_overhead(steps=ns.steps, warmup=ns.warmup)
+        print(f"stream_report off    {r['report_off_step_ms']:8.2f} ms/step (median of {r['steps_each']} steps)")
+        print(f"stream_report on     {r['report_on_step_ms']:8.2f} ms/step")
+        print(f"overhead             {100 * r['overhead']:+8.2f} %")
+    else:
+        r = run(steps=ns.steps, warmup=ns.warmup, rounds=ns.rounds)
+        _print_prefetch(r)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+def _print_prefetch(r: dict) -> None:
     print(f"compute alone        {r['compute_ms']:8.1f} ms/step")
     print(f"collate alone        {r['collate_ms']:8.1f} ms/batch  ({r['collate_rounds']} rounds)")
     print(f"stock Trainer        {r['stock_step_ms']:8.1f} ms/step  = {r['stock_over_sum']:.2f} x (collate + compute)")
     print(f"StreamTrainer, d=2   {r['prefetch_step_ms']:8.1f} ms/step  = {r['prefetch_over_max']:.2f} x max(collate, compute)")
     print(f"speed-up             {r['speedup']:8.2f} x")
-    if ns.json:
-        with open(ns.json, "w") as f:
-            json.dump(r, f, indent=2)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

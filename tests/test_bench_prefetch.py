@@ -28,3 +28,11 @@ def test_collate_is_deterministic_and_keeps_tokens():
     rows = [{"input_ids": [1, 2, 3, 4]}, {"input_ids": [5, 6, 7, 8]}]
     a, b = bench_prefetch.CostlyCollate(5)(rows), bench_prefetch.CostlyCollate(0)(rows)
     assert a["input_ids"].tolist() == b["input_ids"].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+
+
+def test_report_overhead_quick(tmp_path):
+    out = tmp_path / "o.json"
+    assert bench_prefetch.main(["--report-overhead", "--steps", "6", "--warmup", "2", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["report_on_step_ms"] > 0 and r["report_off_step_ms"] > 0
+    assert r["overhead"] == pytest.approx(r["report_on_step_ms"] / r["report_off_step_ms"] - 1)
