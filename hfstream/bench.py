@@ -179,12 +179,9 @@ def _timed_allreduce_hook(state: _CommTimer, bucket):
 
 
 def _union_ms(spans: list[tuple[float, float]]) -> float:
-    total, reach = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > reach:
-            total += b - max(a, reach)
-            reach = b
-    return total * 1e3
+    from .gradsync.sync import union_length   # the same "in flight" measure GradSync reports
+
+    return union_length(spans) * 1e3
 
 
 class _Progress:
@@ -607,30 +604,26 @@ def run_benchmark(cfg: BenchConfig, argv: Sequence[str] | None = None) -> dict:
 # Command line
 # =============================================================================================
 
-def _positive(kind):
+def _bounded(kind, ok, rule: str):
+    """An argparse type: ``kind(text)`` that must satisfy ``ok``, else an error saying ``rule``."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
         return value
     parse.__name__ = kind.__name__
     return parse
+
+
+def _positive(kind):
+    return _bounded(kind, lambda v: v > 0, "> 0")
 
 
 def _non_negative(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-        return value
-    parse.__name__ = kind.__name__
-    return parse
+    return _bounded(kind, lambda v: v >= 0, ">= 0")
 
 
 def _world_size(text: str) -> int:

@@ -113,7 +113,7 @@ class _BucketState:
         self.launch_time = self.end_time = self.start_event = self.end_event = None
 
 
-def _union_s(spans: list[tuple[float, float]]) -> float:
+def union_length(spans: list[tuple[float, float]]) -> float:
     """Length of the union of ``[start, end]`` intervals."""
     total, reach = 0.0, float("-inf")
     for start, end in sorted(spans):
@@ -588,7 +588,7 @@ class GradSync:
                     after.synchronize()
                 exposed = max(before.elapsed_time(after) for before, after in waits.values())
             self._stats = SyncStats(
-                comm_busy_ms=_union_s([(a, b) for _, a, b in spans]) * 1e3,
+                comm_busy_ms=union_length([(a, b) for _, a, b in spans]) * 1e3,
                 exposed_comm_ms=exposed,
                 num_collectives=len(spans),
                 bucket_spans=spans,
