@@ -4,7 +4,8 @@ Where data enters, moves to the device, where gradients leave and come back:
     get_train_dataloader  the loader Accelerate prepared, with device placement handed to the
                           prefetcher (so set_epoch, skip_first_batches, resumption keep working)
     get_batch_samples     pulls batches through a `StreamPrefetcher` that stays ``prefetch_depth``
-                          batches ahead, across gradient-accumulation boundaries
+                          batches ahead, across gradient-accumulation boundaries; Accelerate's
+                          end_of_dataloader/remainder still follow the loop, not the prefetcher
     _wrap_model           under grad_sync "overlap"/"serial": Accelerate prepares the model for
                           autocast and placement but not for DDP, and `GradSync` hooks it in place
     training_step         tells GradSync whether this micro-step syncs; after the syncing
@@ -98,6 +99,7 @@ class StreamTrainerMixin:
         self._prefetcher = None
         self._prefetch_source = None
         self._prefetch_iter = None
+        self._loader_view = _LoaderView()
         self._timeline = (StepTimeline(self.args.device, rank=self.args.process_index)
                           if self.args.stream_report else None)
         self._last_logged_step = 0
@@ -153,9 +155,10 @@ class StreamTrainerMixin:
             from .prefetch import StreamPrefetcher
 
             self._close_prefetcher()
-            self._prefetcher = StreamPrefetcher(epoch_iterator, device=self.args.device,
+            state = self.accelerator.gradient_state
+            self._prefetcher = StreamPrefetcher(_tag_loader_state(epoch_iterator, state), device=self.args.device,
                                                 depth=self.args.prefetch_depth)
-            self._prefetch_iter = iter(self._prefetcher)
+            self._prefetch_iter = _restore_loader_state(iter(self._prefetcher), state, self._loader_view)
             self._prefetch_source = epoch_iterator
         return self._prefetch_iter
 
@@ -272,6 +275,45 @@ class StreamTrainerMixin:
         ended, on every rank.
         """
         return self._report
+
+
+class _LoaderView:
+    """What Accelerate's `GradientState` reads of the training dataloader, as the loop sees it.
+
+    The prefetcher pulls batches ahead, so the real loader reaches its end (and sets
+    ``end_of_dataloader``) up to ``prefetch_depth`` batches before the training loop does. This
+    stands in for the loader in ``GradientState.dataloader_references`` and carries the flags
+    each batch had when it was produced.
+    """
+
+    def __init__(self):
+        self.end_of_dataloader = False
+        self.remainder = -1
+
+
+def _tag_loader_state(source, state):
+    """Producer side: each batch with its loader's ``end_of_dataloader`` and ``remainder``."""
+    loader = None
+    for batch in source:
+        if loader is None:   # the loader registered itself on its first batch; it is the last one
+            refs = [r for r in state.dataloader_references if r is not None and not isinstance(r, _LoaderView)]
+            loader = refs[-1] if refs else None
+        yield batch, (loader, getattr(loader, "end_of_dataloader", False), getattr(loader, "remainder", -1))
+
+
+def _restore_loader_state(prefetched, state, view: _LoaderView):
+    """Consumer side: the view takes the loader's place and shows each batch's flags when it is used."""
+    try:
+        for batch, (loader, end, remainder) in prefetched:
+            refs = state.dataloader_references
+            if loader is not None and any(r is loader for r in refs):
+                state.dataloader_references = [view if r is loader else r for r in refs]
+            elif not any(r is view for r in refs):
+                state.dataloader_references = refs + [view]
+            view.end_of_dataloader, view.remainder = end, remainder
+            yield batch
+    finally:
+        state.dataloader_references = [r for r in state.dataloader_references if r is not view]
 
 
 def _default_stream_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -18,6 +18,8 @@ class RecordingTrainer(Trainer):
         self.seen = getattr(self, "seen", [])
         ids = inputs["input_ids"]
         self.seen.append((ids * torch.arange(1, ids.shape[1] + 1)).sum().item())
+        state = self.accelerator.gradient_state
+        self.ends = getattr(self, "ends", []) + [(state.end_of_dataloader, state.remainder)]
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -34,7 +36,7 @@ def _pair(tmp, stream_kw, **kw):
                                                    gradient_accumulation_steps=3, **extra, **kw),
                       train_dataset=lm_dataset())
         trainer.train()
-        out[name] = dict(losses=losses(trainer), params=params(trainer.model), seen=trainer.seen,
+        out[name] = dict(losses=losses(trainer), params=params(trainer.model), seen=trainer.seen, ends=trainer.ends,
                          waits=[h["stream/data_wait_ms"] for h in trainer.state.log_history if "stream/data_wait_ms" in h])
     return out
 
@@ -42,6 +44,8 @@ def _pair(tmp, stream_kw, **kw):
 def _assert_same(out):
     s, t = out["stock"], out["stream"]
     assert len(s["losses"]) == 30 and s["seen"] == t["seen"] and s["losses"] == t["losses"]
+    # Accelerate's end-of-dataloader flag as the loop sees it, not as the prefetcher does.
+    assert any(end for end, _ in s["ends"]) and s["ends"] == t["ends"]
     for k, v in s["params"].items():
         assert torch.equal(v, t["params"][k]), k
 
