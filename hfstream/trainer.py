@@ -157,7 +157,7 @@ class StreamTrainerMixin:
             self._close_prefetcher()
             state = self.accelerator.gradient_state
             self._prefetcher = StreamPrefetcher(_tag_loader_state(epoch_iterator, state), device=self.args.device,
-                                                depth=self.args.prefetch_depth)
+                                                depth=self.args.prefetch_depth, time_copies=self.args.stream_report)
             self._prefetch_iter = _restore_loader_state(iter(self._prefetcher), state, self._loader_view)
             self._prefetch_source = epoch_iterator
         return self._prefetch_iter
@@ -244,6 +244,9 @@ class StreamTrainerMixin:
                 value = summary.get(key, math.nan)
                 if not math.isnan(value):
                     logs[f"stream/{key}"] = round(value, 4)
+            copies = self._prefetcher.stats if self._prefetcher is not None else None
+            if copies is not None and copies.copy_ms is not None:      # on an accelerator only
+                logs["stream/copy_ms"], logs["stream/copy_gbps"] = round(copies.copy_ms, 4), round(copies.copy_gbps, 3)
             if self.grad_sync is not None and isinstance(self.grad_sync.bucket_mb, float):
                 logs["stream/bucket_mb"] = self.grad_sync.bucket_mb    # the tuned cap, under "auto"
         super().log(logs, *args, **kwargs)
