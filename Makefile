@@ -9,13 +9,14 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 TORCH_SPEC ?= $(if $(HAS_CUDA),torch,torch==2.13.0)
 STAMP  := $(VENV)/.hfstream-installed
 
-.PHONY: help venv demo test test-slow test-all gpu-check clean
+.PHONY: help venv demo test test-slow gpu-check gpu-check-here clean
 
 help:
 	@echo "make demo       train the demo (2 CPU processes, or every GPU) and print the step report"
 	@echo "make test       the default test suite (fast; no GPU needed)"
 	@echo "make test-slow  the slow tests only (marked @pytest.mark.slow)"
 	@echo "make gpu-check  the GPU tests (marked @pytest.mark.gpu); skip cleanly without a GPU"
+	@echo "make gpu-check-here  the same with the machine's own python, no venv (a GPU box with torch installed)"
 
 venv: $(STAMP)
 
@@ -37,6 +38,9 @@ test-slow: $(STAMP)
 
 gpu-check: $(STAMP)
 	$(PY) -m pytest -m gpu -v
+
+gpu-check-here:
+	PYTHONPATH=. $(PYTHON) -m pytest -m gpu -v -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
