@@ -263,9 +263,15 @@ class StepTimeline:
             # On an accelerator this is the stream's time from the step's first mark to its
             # last: a host wait for data shows up in it only if the stream ran dry meanwhile.
             step_ms = ms(p.start, p.end)
+            # The wait in finish() also packs buckets launched late and copies results back:
+            # sync work, not communication. Whatever of it exceeds the reductions' own busy time
+            # is counted with backward, so that exposed <= busy holds and the parts still sum up.
+            exposed = p.exposed_comm_ms
+            if not math.isnan(p.comm_busy_ms) and exposed > p.comm_busy_ms:
+                bwd, exposed = bwd + exposed - p.comm_busy_ms, p.comm_busy_ms
             self.records.append(StepRecord(
                 step=p.step, data_wait_ms=p.data_wait_ms, forward_ms=fwd, backward_ms=bwd,
-                comm_busy_ms=p.comm_busy_ms, exposed_comm_ms=p.exposed_comm_ms,
+                comm_busy_ms=p.comm_busy_ms, exposed_comm_ms=exposed,
                 optimizer_ms=ms(opt_start, p.end), step_ms=step_ms,
             ))
             self._add_spans(p, opt_start)
