@@ -67,24 +67,33 @@ def _nanmean(values: Iterable[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def summarize(records: list[StepRecord], warmup: int = 1) -> dict[str, float]:
-    """Average the breakdown over steps after ``warmup`` (all steps if there are no more).
+TIMES = FIELDS[:7]   # the measured parts; the rest of FIELDS is derived from them
 
-    Ratios (efficiency, overlap) are recomputed from the averaged times, not averaged
-    themselves, so that ``ideal_ms / step_ms == efficiency`` holds in the summary too.
-    """
+
+def _mean_breakdown(rows: list[dict[str, float]], steps: float) -> dict[str, float]:
+    """Average the times of ``rows``; the ratios (ceiling, efficiency, overlap) are recomputed from
+    the averaged times, not averaged themselves, so ``ideal_ms / step_ms == efficiency`` holds."""
+    avg = StepRecord(step=0, **{f: _nanmean(r[f] for r in rows) for f in TIMES})
+    out = avg.as_dict()
+    out.pop("step")
+    out["steps"] = steps
+    return out
+
+
+def summarize(records: list[StepRecord], warmup: int = 1) -> dict[str, float]:
+    """Average the breakdown over steps after ``warmup`` (all steps if there are no more)."""
     kept = records[warmup:] if len(records) > warmup else records
     if not kept:
         return {}
-    avg = StepRecord(
-        step=len(kept),
-        **{f: _nanmean(getattr(r, f) for r in kept) for f in
-           ("data_wait_ms", "forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms", "optimizer_ms", "step_ms")},
-    )
-    out = avg.as_dict()
-    out["steps"] = float(len(kept))
-    out.pop("step")
-    return out
+    return _mean_breakdown([{f: getattr(r, f) for f in TIMES} for r in kept], float(len(kept)))
+
+
+def combine_ranks(summaries: list[dict[str, float]]) -> dict[str, float]:
+    """One breakdown for several ranks' `summarize` results (empty ones skipped)."""
+    rows = [s for s in summaries if s]
+    if not rows:
+        return {}
+    return _mean_breakdown(rows, _nanmean(r["steps"] for r in rows))
 
 
 def format_report(summary: dict[str, Any], title: str = "hfstream step report") -> str:

@@ -26,12 +26,11 @@ import math
 import time
 from typing import Any
 
-import torch
 from accelerate.utils import DistributedType, gather_object
 from transformers import Trainer, TrainerCallback
 
 from .args import StreamTrainingArguments
-from .timeline import StepTimeline, format_report
+from .timeline import FIELDS, StepTimeline, combine_ranks, format_report
 
 logger = logging.getLogger(__name__)
 
@@ -239,8 +238,7 @@ class StreamTrainerMixin:
         if self._timeline is not None and "loss" in logs:
             summary = self._timeline.summary(since_step=self._last_logged_step)
             self._last_logged_step = self.state.global_step
-            for key in ("data_wait_ms", "forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms",
-                        "optimizer_ms", "step_ms", "ideal_ms", "efficiency", "overlap"):
+            for key in FIELDS:
                 value = summary.get(key, math.nan)
                 if not math.isnan(value):
                     logs[f"stream/{key}"] = round(value, 4)
@@ -259,12 +257,7 @@ class StreamTrainerMixin:
         spans = [list(span) for span in self._timeline.last_spans(self.TIMELINE_STEPS)]
         gathered = gather_object([(local, spans)]) if self.accelerator.num_processes > 1 else [(local, spans)]
         per_rank = [summary for summary, _ in gathered]
-        ranks = [r for r in per_rank if r]
-        mean = {k: sum(r[k] for r in ranks) / len(ranks) for k in (ranks[0] if ranks else {})}
-        if ranks and mean.get("step_ms"):
-            # Ratios from the averaged times, as `summarize` does over steps.
-            mean["efficiency"] = mean["ideal_ms"] / mean["step_ms"]
-        self._report = StreamReport(mean=mean, per_rank=per_rank, grad_sync=self.grad_sync_mode,
+        self._report = StreamReport(mean=combine_ranks(per_rank), per_rank=per_rank, grad_sync=self.grad_sync_mode,
                                     prefetch_depth=self.args.prefetch_depth,
                                     spans=[span for _, rank_spans in gathered for span in rank_spans])
 
