@@ -1,0 +1,5 @@
+import sys
+
+from course.runner import main
+
+sys.exit(main())

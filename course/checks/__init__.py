@@ -1,0 +1,1 @@
+"""One module per lesson (``lessonNN.py``) declaring its exercises and their cases."""

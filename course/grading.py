@@ -1,0 +1,404 @@
+"""Graded exercises: `check("05.overlap_hook")` runs one exercise's cases against the learner's code.
+
+An exercise is declared once, in ``course/checks/lessonNN.py``, as a list of cases. Each case is
+a function of a `Learner` (the notebook's namespace) that raises to fail and may return a short
+detail to print on a pass. A case that detects a specific mistake raises `Wrong` with a hint
+that teaches the fix; any other failure prints the case's own hint.
+
+    ex = Exercise("05.overlap_hook", uses=["attach_hooks"])
+
+    @ex.case("one reduction per parameter, launched during backward",
+             hint="register a hook per parameter; reducing after backward cannot overlap")
+    def _(learner):
+        ...
+
+Multi-process cases never pickle notebook objects: `Learner.module_file` writes the source of
+the cells that define the exercise's names to a file, and the check's rank function (a
+module-level function in the checks module) imports that file in each gloo process.
+
+Results go three places: one printed line per case, the progress file
+(``course/.progress.json``, or ``$HFSTREAM_COURSE_PROGRESS``), and, when the headless grader
+runs the notebook, a JSON-lines file named by ``$HFSTREAM_COURSE_RESULTS``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import inspect
+import json
+import linecache
+import os
+import re
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+COURSE_DIR = Path(__file__).resolve().parent
+ROOT = COURSE_DIR.parent
+EXERCISE_ID = re.compile(r"^(\d\d)\.[a-z0-9_]+$")
+
+# Imports every learner module starts with, so exercise cells may rely on the names the
+# lessons import at their top (the lessons import the same set).
+LEARNER_PREAMBLE = """\
+import contextlib, math, os, queue, threading, time
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.distributed as dist
+from course.lib import *
+"""
+
+
+class Wrong(AssertionError):
+    """A diagnosed mistake; its message is the hint the learner sees."""
+
+
+class NotWritten(Exception):
+    """The exercise still holds the `NotImplementedError` stub."""
+
+
+@dataclass
+class CaseResult:
+    exercise: str
+    case: str
+    passed: bool
+    message: str = ""          # the hint (on a failure) or a measured detail (on a pass)
+    seconds: float = 0.0
+
+
+@dataclass
+class Case:
+    title: str
+    hint: str
+    fn: Callable[["Learner"], Any]
+    timeout: float
+
+
+@dataclass
+class Exercise:
+    """One graded exercise: an id ``"NN.name"``, the learner names it reads, and its cases."""
+
+    id: str
+    uses: list[str] = field(default_factory=list)
+    title: str = ""
+    preamble: str = ""         # extra imports for the learner's module in spawned ranks
+    cases: list[Case] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not EXERCISE_ID.match(self.id):
+            raise ValueError(f"exercise id {self.id!r} must look like '05.overlap_hook'")
+        _REGISTRY[self.id] = self
+
+    @property
+    def lesson(self) -> str:
+        return self.id[:2]
+
+    def case(self, title: str, hint: str, timeout: float = 120.0):
+        """Decorator: add a case. ``timeout`` bounds it in seconds (hangs become failures)."""
+
+        def register(fn):
+            self.cases.append(Case(title, hint, fn, timeout))
+            return fn
+
+        return register
+
+
+_REGISTRY: dict[str, Exercise] = {}
+
+
+def lesson_exercises(lesson: str) -> list[Exercise]:
+    """Every exercise of a lesson (``"05"``), in declaration order."""
+    _load_lesson(lesson)
+    return [ex for ex in _REGISTRY.values() if ex.lesson == lesson]
+
+
+def get_exercise(exercise_id: str) -> Exercise:
+    if not isinstance(exercise_id, str) or not EXERCISE_ID.match(exercise_id):
+        raise ValueError(
+            f"check() takes an exercise id like '05.overlap_hook', got {exercise_id!r}; "
+            "the exercise's markdown cell names its id"
+        )
+    _load_lesson(exercise_id[:2])
+    if exercise_id not in _REGISTRY:
+        known = ", ".join(sorted(e for e in _REGISTRY if e.startswith(exercise_id[:2]))) or "none"
+        raise ValueError(f"no exercise {exercise_id!r}; lesson {exercise_id[:2]} has: {known}")
+    return _REGISTRY[exercise_id]
+
+
+def _load_lesson(lesson: str) -> None:
+    name = f"course.checks.lesson{lesson}"
+    if name not in sys.modules:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+
+
+# --------------------------------------------------------------------------- the learner's code
+class Learner:
+    """The names a notebook defined, and the source of the cells that defined them."""
+
+    def __init__(self, namespace: dict[str, Any], exercise: Exercise):
+        self.ns = namespace
+        self.exercise = exercise
+
+    def __getattr__(self, name: str) -> Any:
+        ns = self.__dict__.get("ns", {})
+        if name in ns:
+            return ns[name]
+        raise Wrong(
+            f"`{name}` is not defined: run the exercise cell that defines it "
+            f"(exercise {self.__dict__['exercise'].id}), then check again"
+        )
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self.ns.get(name, default)
+
+    def source(self, name: str) -> str:
+        """The source of the cell (or file) where ``name`` was defined."""
+        obj = getattr(self, name)
+        code = _code_of(obj)
+        # A notebook cell (or `run_cell`) has a source in linecache but no file on disk: take
+        # the whole cell, so helpers defined beside the exercise come along.
+        if code is not None and not os.path.isfile(code.co_filename):
+            lines = linecache.getlines(code.co_filename)
+            if lines:
+                return "".join(lines)
+        try:
+            return inspect.getsource(obj)
+        except (OSError, TypeError) as e:
+            raise Wrong(f"cannot find the source of `{name}` ({e}); define it in a notebook cell") from None
+
+    def module_file(self, directory: str | os.PathLike | None = None) -> str:
+        """Write the cells defining this exercise's names to a ``.py`` file; return its path.
+
+        Spawned ranks import the file (`load_module`), so nothing is pickled from the notebook.
+        """
+        chunks: list[str] = []
+        for name in self.exercise.uses:
+            cell = _strip_notebook_syntax(self.source(name))
+            if cell not in chunks:
+                chunks.append(cell)
+        text = LEARNER_PREAMBLE + self.exercise.preamble + "\n\n" + "\n\n".join(chunks) + "\n"
+        directory = Path(directory or tempfile.mkdtemp(prefix="hfstream-course-"))
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / f"learner_{self.exercise.id.replace('.', '_')}.py"
+        path.write_text(text)
+        return str(path)
+
+
+def _code_of(obj: Any):
+    if inspect.isfunction(obj) or inspect.ismethod(obj):
+        return obj.__code__
+    if inspect.isclass(obj):
+        for value in vars(obj).values():
+            fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+            if inspect.isfunction(fn):
+                return fn.__code__
+    return None
+
+
+def _strip_notebook_syntax(source: str) -> str:
+    keep = []
+    for line in source.splitlines():
+        s = line.lstrip()
+        if s.startswith(("%", "!")) or re.match(r"check\(", s):
+            continue
+        keep.append(line)
+    return "\n".join(keep)
+
+
+def run_cell(source: str, namespace: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Execute ``source`` the way a notebook cell runs (its source kept in linecache).
+
+    Tests use it to play a learner: ``check("05.x", namespace=run_cell(wrong_code))``.
+    """
+    namespace = {} if namespace is None else namespace
+    filename = f"<course-cell-{len(_CELLS)}>"
+    _CELLS.append(filename)
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace
+
+
+_CELLS: list[str] = []
+
+
+def load_module(path: str | os.PathLike, name: str = "learner"):
+    """Import a file written by `Learner.module_file` (in a rank process)."""
+    spec = importlib.util.spec_from_file_location(name, str(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def is_stub(fn: Any) -> bool:
+    """True when ``fn`` (or a method of a class) still raises the course's NotImplementedError stub."""
+    targets = [fn]
+    if inspect.isclass(fn):
+        targets = [v for v in vars(fn).values() if inspect.isfunction(v)]
+    for t in targets:
+        code = getattr(t, "__code__", None)
+        if code is not None and any(isinstance(c, str) and STUB_MARK.search(c) for c in code.co_consts):
+            return True
+    return False
+
+
+# The stub `course/build.py` puts in student notebooks raises NotImplementedError(stub_message(id)).
+STUB_MARK = re.compile(r"^Exercise \d\d\.[a-z0-9_]+ is yours to write")
+
+
+def stub_message(exercise_id: str) -> str:
+    return f"Exercise {exercise_id} is yours to write: replace this line with your code"
+
+
+# --------------------------------------------------------------------------- running the cases
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Turn a hang in the learner's code into a TimeoutError (main thread, Unix); else no limit."""
+    usable = hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"took more than {seconds:.0f} s (a hang? a wait that never returns?)")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _last_line(text: str) -> str:
+    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def run_case(exercise: Exercise, case: Case, learner: Learner) -> CaseResult:
+    start = time.perf_counter()
+    try:
+        for name in exercise.uses:
+            obj = getattr(learner, name)
+            if is_stub(obj):
+                raise NotWritten(name)
+        with _time_limit(case.timeout):
+            detail = case.fn(learner)
+        passed, message = True, "" if detail is None else str(detail)
+    except NotWritten as e:
+        passed, message = False, (
+            f"`{e}` still raises NotImplementedError: write it in the exercise cell. Hint: {case.hint}"
+        )
+    except Wrong as e:
+        passed, message = False, str(e)
+    except NotImplementedError:
+        passed, message = False, f"your code raised NotImplementedError. Hint: {case.hint}"
+    except AssertionError as e:
+        why = str(e).strip()
+        passed, message = False, (f"{why}. " if why else "") + f"Hint: {case.hint}"
+    except Exception as e:  # the learner's code crashed: show where, then the hint
+        where = _learner_frame(e)
+        passed, message = False, f"{type(e).__name__}: {_last_line(e) or e!r}{where}. Hint: {case.hint}"
+    return CaseResult(exercise.id, case.title, passed, message, time.perf_counter() - start)
+
+
+def _learner_frame(exc: BaseException) -> str:
+    frames = traceback.extract_tb(exc.__traceback__)
+    for fr in reversed(frames):
+        if "course/" not in fr.filename.replace(os.sep, "/") and "site-packages" not in fr.filename:
+            return f" (in your code: `{(fr.line or '').strip()}`)"
+    return ""
+
+
+def check(exercise_id: str, namespace: dict[str, Any] | None = None, quiet: bool = False) -> list[CaseResult]:
+    """Run one exercise's cases against the calling notebook's code and print one line per case.
+
+    Args:
+        exercise_id: the id shown in the exercise's heading, e.g. ``"05.overlap_hook"``.
+        namespace: where the learner's names live; default: the caller's globals.
+        quiet: return the results without printing them.
+
+    Returns:
+        One `CaseResult` per case; they are also recorded in the progress file.
+    """
+    exercise = get_exercise(exercise_id)
+    if namespace is None:
+        namespace = inspect.currentframe().f_back.f_globals
+    learner = Learner(namespace, exercise)
+    results = [run_case(exercise, case, learner) for case in exercise.cases]
+    if not quiet:
+        print(format_results(exercise, results))
+    record(results)
+    return results
+
+
+def format_results(exercise: Exercise, results: list[CaseResult]) -> str:
+    passed = sum(r.passed for r in results)
+    lines = [f"{exercise.id}: {passed}/{len(results)} cases passed"]
+    for r in results:
+        mark = "PASS" if r.passed else "FAIL"
+        line = f"  [{mark}] {r.case}"
+        if r.message:
+            line += f"\n         {r.message}" if not r.passed else f"  ({r.message})"
+        lines.append(line)
+    if passed == len(results):
+        lines.append("  all cases pass: on to the next cell")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- progress
+def progress_path() -> Path:
+    return Path(os.environ.get("HFSTREAM_COURSE_PROGRESS", COURSE_DIR / ".progress.json"))
+
+
+def load_progress() -> dict[str, Any]:
+    path = progress_path()
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def record(results: list[CaseResult]) -> None:
+    if not results:
+        return
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    exercise_id = results[0].exercise
+    entry = {
+        "passed": all(r.passed for r in results),
+        "cases_passed": sum(r.passed for r in results),
+        "cases": len(results),
+        "when": now,
+    }
+    sink = os.environ.get("HFSTREAM_COURSE_RESULTS")
+    if sink:
+        with open(sink, "a") as f:
+            for r in results:
+                f.write(json.dumps(asdict(r)) + "\n")
+    try:
+        progress = load_progress()
+        best = progress.get(exercise_id)
+        if best and best.get("passed") and not entry["passed"]:
+            entry["passed_before"] = best.get("when")
+        progress[exercise_id] = entry
+        path = progress_path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(progress, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only checkout still grades; it just cannot remember
