@@ -8,7 +8,9 @@ How the new fields meet the existing ones (never two names for one thing):
       ``"overlap"``/``"serial"``, hfstream's own buckets use ``grad_bucket_mb``; if that is left
       at its default and ``ddp_bucket_cap_mb`` is set, the DDP value is used (logged once).
     - ``ddp_timeout`` is the process group's timeout; hfstream waits on its reductions no
-      longer than that, so a dead peer becomes an error, not a hang.
+      longer than that, so a dead or stopped peer becomes an error, not a hang. The step
+      watchdog (``step_watchdog_s``) reports what a stuck step waits for, and ends the process
+      after ``ddp_timeout`` plus 15 s when even that is not enough.
     - ``dataloader_pin_memory`` still pins in the DataLoader; the prefetcher pins only what is
       not pinned already, so leaving it on costs nothing extra.
     - ``use_cpu`` is switched on (and logged) when several processes are launched on a machine
@@ -90,6 +92,14 @@ class StreamTrainingArguments(TrainingArguments):
                   "choices": list(STREAM_PRIORITIES)},
     )
 
+    step_watchdog_s: float | None = field(
+        default=None,
+        metadata={"help": "Seconds one training step may take on several processes before each rank logs what it "
+                          "waits for (buckets never ready, reductions not complete). None = half of ddp_timeout; "
+                          "0 = off. A step still stuck after ddp_timeout plus 15 s ends the process with exit "
+                          "code 124 instead of hanging."},
+    )
+
     # --- measurement -----------------------------------------------------------------------
     stream_report: bool = field(
         default=True,
@@ -139,6 +149,12 @@ class StreamTrainingArguments(TrainingArguments):
             self.grad_comm_dtype = dtype
         if self.comm_stream_priority not in STREAM_PRIORITIES:
             raise _choice_error("comm_stream_priority", self.comm_stream_priority, STREAM_PRIORITIES)
+        if self.step_watchdog_s is not None:
+            w = self.step_watchdog_s
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or math.isnan(w) or w < 0:
+                raise ValueError(f"step_watchdog_s={w!r} is not valid; accepted values: None (half of ddp_timeout), "
+                                 "0 (off) or seconds > 0")
+            self.step_watchdog_s = float(w)
         if not isinstance(self.stream_report, bool):
             raise ValueError(f"stream_report={self.stream_report!r} is not valid; accepted values: True, False")
 

@@ -71,6 +71,7 @@ class _StreamCallback(TrainerCallback):
             self.trainer._timeline.end_step()
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.trainer._close_watchdog()
         self.trainer._close_prefetcher()
         self.trainer._gather_report()
 
@@ -104,6 +105,7 @@ class StreamTrainerMixin:
         self._last_logged_step = 0
         self._report = StreamReport()
         self._forward_hook = None
+        self._watchdog = None
         self.add_callback(_StreamCallback(self))
 
     # -- configuration ---------------------------------------------------------------------------
@@ -181,6 +183,7 @@ class StreamTrainerMixin:
                 mode=self.grad_sync_mode,
                 comm_dtype=self.args.grad_comm_dtype,
                 comm_stream_priority=self.args.comm_stream_priority,
+                timeout=self.args.ddp_timeout,
             )
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
                 logger.info("hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
@@ -211,7 +214,41 @@ class StreamTrainerMixin:
         if module.training and self._timeline is not None:
             self._timeline.forward_end()
 
+    def _watchdog_begin(self):
+        """The step watchdog (multi-process only): reports a stuck step, ends it past ddp_timeout."""
+        limit = self.args.step_watchdog_s
+        if self.args.world_size <= 1 or limit == 0:
+            return None
+        if self._watchdog is None:
+            from .watchdog import StepWatchdog
+
+            timeout = float(self.args.ddp_timeout)
+            self._watchdog = StepWatchdog(report_after_s=limit if limit is not None else timeout / 2,
+                                          exit_after_s=max(timeout + 15.0, limit or 0.0),
+                                          describe=self._describe_stuck_step, rank=self.args.process_index)
+        self._watchdog.begin(self.state.global_step + 1)
+        return self._watchdog
+
+    def _describe_stuck_step(self) -> str:
+        if self.grad_sync is None:
+            return (f"grad_sync={self.grad_sync_mode!r}: hfstream does not own the reduction; the step is in forward, "
+                    f"backward or the engine's own gradient reduction")
+        return self.grad_sync.pending_report() or "GradSync has nothing pending: the step is in forward or backward"
+
+    def _close_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+
     def training_step(self, model, inputs, num_items_in_batch=None):
+        watchdog = self._watchdog_begin()
+        try:
+            return self._stream_training_step(model, inputs, num_items_in_batch)
+        finally:
+            if watchdog is not None:
+                watchdog.end()
+
+    def _stream_training_step(self, model, inputs, num_items_in_batch=None):
         sync, timeline = self.grad_sync, self._timeline
         syncs = self.accelerator.sync_gradients or bool(
             self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))

@@ -34,6 +34,7 @@ gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import logging
 import threading
@@ -56,6 +57,7 @@ MODES = ("overlap", "serial")
 STREAM_PRIORITIES = ("high", "normal")
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _BROADCAST_MB = 64.0   # chunk size of the coalesced broadcast at construction
+DEFAULT_TIMEOUT_S = 1800.0       # torch's default process-group timeout
 DEFAULT_BUCKET_MB = 25.0        # DDP's default bucket_cap_mb; also the plan of an inactive "auto"
 
 # Which GradSync hooks a parameter, so that a second one on the same model is refused instead of
@@ -172,6 +174,13 @@ class GradSync:
             ``bucket_cap_mb`` is not given. It is off by default because on the CPU benchmark a
             1 MiB first bucket made steps slower at 25 MiB and changed nothing at 2 MiB (see
             docs/benchmarks.md); under ``bucket_mb="auto"`` it applies to every candidate.
+        timeout: seconds ``finish()`` waits for the reductions before it raises, naming the
+            buckets and parameters that did not complete (default 1800, torch's own default;
+            the Trainer passes ``ddp_timeout``). Needed because on gloo a plain ``Work.wait()``
+            on a peer that is alive but stopped (SIGSTOP, a debugger, a stuck data loader)
+            never returns: measured, a stock 2-rank run with ``ddp_timeout=20`` still waited
+            150 s later. NCCL enforces the group's timeout with its own watchdog, so there
+            ``finish()`` keeps the non-blocking wait.
 
     Parameters without a gradient: a parameter whose hook did not fire in the synchronised
     backward still travels in its bucket, so all ranks launch the same collectives and none
@@ -216,6 +225,7 @@ class GradSync:
         comm_dtype: str | torch.dtype | None = None,
         comm_stream_priority: str = "high",
         first_bucket_mb: float | None = None,
+        timeout: float | None = None,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -233,7 +243,11 @@ class GradSync:
         if comm_stream_priority not in STREAM_PRIORITIES:
             raise ValueError(f"comm_stream_priority={comm_stream_priority!r} is not valid; accepted values: "
                              f"'high', 'normal'")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout={timeout!r} is not valid; give seconds > 0 (the Trainer passes ddp_timeout), "
+                             f"or None for {DEFAULT_TIMEOUT_S:.0f} s")
         self.model, self.mode = model, mode
+        self.timeout_s = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
         self.first_bucket_mb = first_bucket_mb
         self._owned: list[torch.Tensor] = []
         self.comm_dtype = _parse_comm_dtype(comm_dtype)
@@ -450,10 +464,18 @@ class GradSync:
         # copying bucket k back overlaps the reductions still on the wire, so only the last
         # bucket's copy is left after the last reduction.
         failed, error, t_done = [], None, t_enter
+        deadline = None if self._backend_enforces_timeout() else time.monotonic() + self.timeout_s
         for st in self._states:
             try:
-                st.work.wait()
-            except Exception as exc:   # gloo raises once the process group's timeout expires
+                if failed:
+                    raise RuntimeError("not waited for: an earlier bucket failed")
+                if deadline is None:
+                    st.work.wait()
+                else:
+                    left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+                    if st.work.wait(timeout=left) is False:
+                        raise RuntimeError(f"no result within timeout={self.timeout_s:.0f} s")
+            except Exception as exc:   # a timeout, or a peer that died (connection closed)
                 failed.append(st)
                 error = error or exc
                 continue
@@ -461,15 +483,16 @@ class GradSync:
                 t_done = time.perf_counter()
                 self._unpack(st)
         if failed:
+            report = self.pending_report()
             self._reset_step()
             names = [n for st in failed for n in st.plan.names]
             shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
             raise RuntimeError(
-                f"GradSync.finish(): the all-reduce of bucket(s) {[st.plan.index for st in failed]} did not "
-                f"complete (parameters: {shown}). A peer rank did not launch the same buckets in the same order "
-                f"before the process group's timeout, or stopped: every rank must run the same synchronised "
-                f"backward (outside no_sync()) and call finish(); .grad holds partial results. "
-                f"Underlying error: {error}"
+                f"GradSync.finish() on rank {self.rank}: the all-reduce of bucket(s) {[st.plan.index for st in failed]} "
+                f"did not complete (parameters: {shown}). A peer rank died, stopped, or did not launch the same "
+                f"buckets in the same order within timeout={self.timeout_s:.0f} s: every rank must run the same "
+                f"synchronised backward (outside no_sync()) and call finish(); .grad holds partial results. "
+                f"Underlying error: {error}\n{report}"
             ) from error
         for st in self._states:
             st.done.wait()
@@ -484,6 +507,42 @@ class GradSync:
             self._tune_step()
 
     finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.process_group) if self.process_group is not None else 0
+
+    def _backend_enforces_timeout(self) -> bool:
+        try:
+            return "nccl" in str(dist.get_backend(self.process_group)).lower()
+        except Exception:
+            return False
+
+    def pending_report(self) -> str:
+        """What the current synchronised step still waits for, on this rank ("" when nothing).
+
+        Buckets whose gradients are not all ready (with the parameters whose hook never fired),
+        and buckets launched whose reduction has not completed. Safe to call from another
+        thread (the Trainer's watchdog does).
+        """
+        if not self._active or not self._sync_pending:
+            return ""
+        lines = []
+        for st in list(self._states):
+            if st.work is None:
+                waiting = [n for n, r in zip(st.plan.names, st.ready) if not r]
+                if self.mode == "serial":
+                    lines.append(f"  bucket {st.plan.index}: not launched (serial mode launches in finish())")
+                else:
+                    shown = ", ".join(waiting[:6]) + (f", ... ({len(waiting)} in all)" if len(waiting) > 6 else "")
+                    lines.append(f"  bucket {st.plan.index}: never became ready; no gradient yet for {shown}")
+            elif not st.work.is_completed():
+                age = time.perf_counter() - st.launch_time if st.launch_time else float("nan")
+                lines.append(f"  bucket {st.plan.index}: launched {age:.1f} s ago, reduction not complete "
+                             f"(a peer has not launched it, or cannot)")
+        if not lines:
+            return ""
+        return f"GradSync rank {self.rank}, launched so far {self._launch_order}:\n" + "\n".join(lines)
 
     def _unpack(self, st: _BucketState) -> None:
         used_anywhere = None

@@ -1,0 +1,85 @@
+"""A tiny StreamTrainer (or stock Trainer) run for launcher-level tests: multi-node, faults, resume.
+
+Launched by tests/test_scale_out.py and tests/test_faults.py under torchrun/accelerate launch as
+several "nodes" on one machine. Writes ``params_rank{R}.pt`` (final parameters) and
+``done_rank{R}`` into ``--output_dir`` when training completes.
+
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29511 \
+        tests/scripts/train_tiny.py --output_dir /tmp/run --max_steps 20
+    (and the same with --node-rank 1)
+
+Extra flags: ``--trainer stock`` (transformers.Trainer), ``--fault kill|stop|nan --fault_step S
+--fault_rank R`` (the rank sends itself SIGKILL/SIGSTOP, or returns a NaN loss, at step S).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from hfstream import StreamTrainer, StreamTrainingArguments  # noqa: E402
+
+
+@dataclass
+class ScriptArguments:
+    trainer: str = field(default="stream", metadata={"choices": ["stream", "stock"]})
+    fault: str = field(default="none", metadata={"choices": ["none", "kill", "stop", "nan"]})
+    fault_step: int = 4
+    fault_rank: int = 1
+    samples: int = 512
+    resume: str = field(default="", metadata={"help": "checkpoint dir, or 'last'"})
+
+
+class Fault(TrainerCallback):
+    def __init__(self, kind: str, step: int, rank: int):
+        self.kind, self.step, self.rank = kind, step, rank
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step and int(os.environ.get("RANK", 0)) == self.rank:
+            print(f"fault: rank {self.rank} sends itself {self.kind} at step {self.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
+
+
+def dataset(n: int, seq: int = 16, vocab: int = 64):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+def main() -> None:
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID` prints every stack
+    parser = HfArgumentParser((ScriptArguments, StreamTrainingArguments))
+    script, args = parser.parse_args_into_dataclasses()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    if script.trainer == "stock":
+        kw = {f: getattr(args, f) for f in TrainingArguments.__dataclass_fields__ if f in args.__dict__}
+        kw = {k: v for k, v in kw.items() if not k.startswith("_")}
+        stock_args = TrainingArguments(**{k: kw[k] for k in kw if TrainingArguments.__dataclass_fields__[k].init})
+        trainer = Trainer(model=model, args=stock_args, train_dataset=dataset(script.samples))
+    else:
+        trainer = StreamTrainer(model=model, args=args, train_dataset=dataset(script.samples))
+    if script.fault in ("kill", "stop"):
+        trainer.add_callback(Fault(script.fault, script.fault_step, script.fault_rank))
+    resume = None
+    if script.resume:
+        resume = True if script.resume == "last" else script.resume
+    trainer.train(resume_from_checkpoint=resume)
+    rank = int(os.environ.get("RANK", 0))
+    out = Path(args.output_dir)
+    torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"params_rank{rank}.pt")
+    (out / f"done_rank{rank}").write_text(str(trainer.state.global_step))
+
+
+if __name__ == "__main__":
+    main()
