@@ -157,3 +157,117 @@ def run_on_ranks(
         body = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in sorted(errors.items()))
         raise RankFailure(f"{len(errors)} of {world_size} ranks failed:\n{body}")
     return [outputs[r] for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- launcher-level runs
+class NodeRun:
+    """One launcher invocation ("node") started by `launch_nodes`: its exit code, output and time."""
+
+    def __init__(self, index: int, proc, log_path: str):
+        self.index, self.proc, self.log_path = index, proc, log_path
+        self.returncode: int | None = None
+        self.seconds: float | None = None
+
+    @property
+    def output(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+
+def launch_nodes(node_commands: list[list[str]], log_dir: str, env: dict[str, str] | None = None,
+                 cwd: str | None = None) -> list[NodeRun]:
+    """Start one launcher command per "node" (torchrun/accelerate launch), each in its own session.
+
+    Each node's stdout and stderr go to ``log_dir/node{i}.log``. Call `wait_nodes` to collect
+    them and `stop_nodes` to kill whatever is left (the whole session: launcher and workers).
+    """
+    import subprocess
+
+    os.makedirs(log_dir, exist_ok=True)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    nodes = []
+    for i, cmd in enumerate(node_commands):
+        log_path = os.path.join(log_dir, f"node{i}.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                    start_new_session=True)
+        nodes.append(NodeRun(i, proc, log_path))
+    for node in nodes:
+        node._start = time.monotonic()
+    return nodes
+
+
+def wait_nodes(nodes: list[NodeRun], which: list[int] | None = None, timeout: float = 300.0) -> None:
+    """Wait until the nodes in ``which`` (default: all) exit, recording exit code and seconds.
+
+    Raises `RankFailure` (after stopping every node) when they do not exit within ``timeout``.
+    """
+    which = list(range(len(nodes))) if which is None else which
+    deadline = time.monotonic() + timeout
+    for i in which:
+        node = nodes[i]
+        try:
+            node.returncode = node.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            node.seconds = time.monotonic() - node._start
+        except Exception:
+            stop_nodes(nodes)
+            raise RankFailure(f"node {i} did not exit within {timeout:.0f} s (hung?); its log:\n{node.output[-3000:]}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc); launchers may put workers in groups of their own."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_nodes(nodes: list[NodeRun]) -> None:
+    """Kill every process of every node: its session and all descendants (stopped ones too)."""
+    import signal
+
+    for node in nodes:
+        pids = _descendants(node.proc.pid)
+        for sig in (signal.SIGCONT, signal.SIGKILL):
+            try:
+                os.killpg(node.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        try:
+            node.proc.wait(timeout=10)
+        except Exception:
+            pass
+
+
+def processes_mentioning(marker: str) -> list[int]:
+    """PIDs whose command line contains ``marker`` (Linux /proc): finds orphans of a run."""
+    pids = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in cmdline and state != "Z":
+            pids.append(int(entry))
+    return pids

@@ -1,0 +1,113 @@
+"""Multi-node on one machine, and faults: two "nodes" started as two launcher invocations.
+
+Each node is a real `torchrun` or `accelerate launch` process with ``--nnodes 2`` and a
+rendezvous on 127.0.0.1, running tests/scripts/train_tiny.py (a tiny GPT-2 through
+StreamTrainer or the stock Trainer).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hfstream.testing import free_port, launch_nodes, processes_mentioning, stop_nodes, wait_nodes
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = str(ROOT / "tests" / "scripts" / "train_tiny.py")
+pytestmark = pytest.mark.multiprocess
+
+COMMON = ["--max_steps", "12", "--per_device_train_batch_size", "4", "--report_to", "none", "--save_strategy", "no",
+          "--disable_tqdm", "true", "--logging_steps", "1000", "--seed", "0", "--learning_rate", "1e-3",
+          "--lr_scheduler_type", "constant", "--dataloader_num_workers", "0", "--use_cpu", "true"]
+
+
+def torchrun_nodes(port: int, script_args: list[str], nnodes: int = 2) -> list[list[str]]:
+    return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(i),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT, *script_args]
+            for i in range(nnodes)]
+
+
+def accelerate_nodes(port: int, script_args: list[str]) -> list[list[str]]:
+    config = str(ROOT / "recipes" / "accelerate" / "cpu_2node.yaml")
+    return [[sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--machine_rank", str(i),
+             "--main_process_port", str(port), "--num_cpu_threads_per_process", "1", SCRIPT, *script_args]
+            for i in range(2)]
+
+
+def one_node_two_procs(port: int, script_args: list[str]) -> list[list[str]]:
+    return [[sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT, *script_args]]
+
+
+def run(commands, out: Path, timeout: float = 240.0):
+    nodes = launch_nodes(commands, str(out / "logs"), cwd=str(ROOT))
+    try:
+        wait_nodes(nodes, timeout=timeout)
+    finally:
+        stop_nodes(nodes)
+    for node in nodes:
+        assert node.returncode == 0, f"node {node.index} exited {node.returncode}:\n{node.output[-3000:]}"
+    return nodes
+
+
+def test_two_accelerate_nodes_train_like_one_node_with_the_same_global_batch(tmp_path):
+    """overlap + prefetch over two `accelerate launch` nodes == one torchrun node with 2 processes."""
+    args = COMMON + ["--grad_sync", "overlap", "--prefetch_depth", "2"]
+    run(accelerate_nodes(free_port(), args + ["--output_dir", str(tmp_path / "two")]), tmp_path / "two")
+    run(one_node_two_procs(free_port(), args + ["--output_dir", str(tmp_path / "one")]), tmp_path / "one")
+    two = torch.load(tmp_path / "two" / "params_rank0.pt")
+    two_r1 = torch.load(tmp_path / "two" / "params_rank1.pt")
+    one = torch.load(tmp_path / "one" / "params_rank0.pt")
+    for name in one:
+        assert torch.equal(two[name], two_r1[name]), f"ranks disagree on {name}"
+        assert torch.equal(two[name], one[name]), f"{name}: two nodes differ from one node"
+    assert (tmp_path / "two" / "done_rank1").read_text() == "12"
+
+
+# --------------------------------------------------------------------------- faults
+DDP_TIMEOUT = 10
+
+
+def _fault_run(tmp_path, fault: str, extra: list[str] = ()):
+    out = tmp_path / fault
+    args = COMMON + ["--max_steps", "400", "--ddp_timeout", str(DDP_TIMEOUT), "--fault", fault, "--fault_step", "4",
+                     "--fault_rank", "1", "--output_dir", str(out), *extra]
+    nodes = launch_nodes(torchrun_nodes(free_port(), args), str(out / "logs"), cwd=str(ROOT))
+    return out, nodes
+
+
+def _assert_survivor_failed_cleanly(nodes, out, budget_s: float, *expected: str):
+    try:
+        wait_nodes(nodes, which=[0], timeout=budget_s + 60)
+    finally:
+        stop_nodes(nodes)       # the faulty node (stopped or dead) and anything left
+    survivor = nodes[0]
+    log = survivor.output
+    assert survivor.returncode not in (0, None), log[-3000:]
+    # Startup (imports, rendezvous, 4 steps) comes on top of the budget; on 2 loaded cores it
+    # stays well under 40 s.
+    assert survivor.seconds < budget_s + 40, f"took {survivor.seconds:.0f} s:\n{log[-2000:]}"
+    for text in expected:
+        assert text in log, f"{text!r} not in the survivor's log:\n{log[-3000:]}"
+    assert not processes_mentioning(str(out)), "processes of the run are still alive"
+
+
+def test_a_killed_peer_ends_the_run_on_the_other_node(tmp_path):
+    out, nodes = _fault_run(tmp_path, "kill", ["--grad_sync", "overlap"])
+    _assert_survivor_failed_cleanly(nodes, out, DDP_TIMEOUT, "GradSync.finish() on rank 0")
+
+
+def test_a_frozen_peer_ends_the_run_within_ddp_timeout_and_says_what_was_pending(tmp_path):
+    """The stock Trainer, same setup (ddp_timeout=20, peer frozen at step 4), still waited 150 s later."""
+    out, nodes = _fault_run(tmp_path, "stop", ["--grad_sync", "overlap"])
+    _assert_survivor_failed_cleanly(nodes, out, DDP_TIMEOUT, "GradSync.finish() on rank 0",
+                                    "reduction not complete", "hfstream watchdog: rank 0 has been inside step 5")
+
+
+@pytest.mark.slow
+def test_a_frozen_peer_under_native_ddp_is_ended_by_the_watchdog(tmp_path):
+    out, nodes = _fault_run(tmp_path, "stop", ["--grad_sync", "native"])
+    _assert_survivor_failed_cleanly(nodes, out, DDP_TIMEOUT + 15, "hfstream watchdog", "Exiting with code 124")
