@@ -111,3 +111,41 @@ def test_a_frozen_peer_ends_the_run_within_ddp_timeout_and_says_what_was_pending
 def test_a_frozen_peer_under_native_ddp_is_ended_by_the_watchdog(tmp_path):
     out, nodes = _fault_run(tmp_path, "stop", ["--grad_sync", "native"])
     _assert_survivor_failed_cleanly(nodes, out, DDP_TIMEOUT + 15, "hfstream watchdog", "Exiting with code 124")
+
+
+# --------------------------------------------------------------------------- resume
+def _final(out: Path) -> dict[str, torch.Tensor]:
+    return torch.load(out / "params_rank0.pt")
+
+
+def test_resume_after_every_rank_is_killed_matches_an_uninterrupted_run_bitwise(tmp_path):
+    """40 steps, a checkpoint every 10, every rank SIGKILLed at step 25, resumed from step 20."""
+    args = COMMON + ["--max_steps", "40", "--save_strategy", "steps", "--save_steps", "10", "--grad_sync", "overlap",
+                     "--prefetch_depth", "2", "--per_device_train_batch_size", "2"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(one_node_two_procs(free_port(), args + ["--output_dir", str(whole)]), whole)
+    nodes = launch_nodes(one_node_two_procs(free_port(), args + ["--output_dir", str(cut), "--fault", "kill",
+                                                                "--fault_step", "25", "--fault_rank", "-1"]),
+                         str(cut / "logs"), cwd=str(ROOT))
+    try:
+        wait_nodes(nodes, timeout=240)
+    finally:
+        stop_nodes(nodes)
+    assert nodes[0].returncode != 0 and not (cut / "done_rank0").exists()
+    assert sorted(p.name for p in cut.glob("checkpoint-*")) == ["checkpoint-10", "checkpoint-20"]
+    run(one_node_two_procs(free_port(), args + ["--output_dir", str(cut), "--resume", "last"]), cut)
+    assert (cut / "done_rank0").read_text() == "40"
+    a, b = _final(whole), _final(cut)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"{name} differs after resume"
+
+
+@pytest.mark.slow
+def test_resume_with_a_different_process_count_continues_from_the_checkpoint(tmp_path):
+    """2 processes write checkpoint-10; 1 process resumes it and finishes (global batch halves: documented)."""
+    out = tmp_path / "run"
+    args = COMMON + ["--save_strategy", "steps", "--save_steps", "10", "--grad_sync", "overlap"]
+    run(one_node_two_procs(free_port(), args + ["--max_steps", "10", "--output_dir", str(out)]), out)
+    single = [[sys.executable, SCRIPT, *args, "--max_steps", "16", "--output_dir", str(out), "--resume", "last"]]
+    run(single, out)
+    assert (out / "done_rank0").read_text() == "16"

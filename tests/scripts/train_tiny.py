@@ -9,7 +9,8 @@ several "nodes" on one machine. Writes ``params_rank{R}.pt`` (final parameters) 
     (and the same with --node-rank 1)
 
 Extra flags: ``--trainer stock`` (transformers.Trainer), ``--fault kill|stop|nan --fault_step S
---fault_rank R`` (the rank sends itself SIGKILL/SIGSTOP, or returns a NaN loss, at step S).
+--fault_rank R`` (rank R, or every rank with -1, sends itself SIGKILL/SIGSTOP at step S),
+``--resume last|DIR`` (resume from the last checkpoint in --output_dir, or from DIR).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from hfstream import StreamTrainer, StreamTrainingArguments  # noqa: E402
 @dataclass
 class ScriptArguments:
     trainer: str = field(default="stream", metadata={"choices": ["stream", "stock"]})
-    fault: str = field(default="none", metadata={"choices": ["none", "kill", "stop", "nan"]})
+    fault: str = field(default="none", metadata={"choices": ["none", "kill", "stop"]})
     fault_step: int = 4
     fault_rank: int = 1
     samples: int = 512
@@ -42,7 +43,7 @@ class Fault(TrainerCallback):
         self.kind, self.step, self.rank = kind, step, rank
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step and int(os.environ.get("RANK", 0)) == self.rank:
+        if state.global_step == self.step and self.rank in (-1, int(os.environ.get("RANK", 0))):
             print(f"fault: rank {self.rank} sends itself {self.kind} at step {self.step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
 
