@@ -60,6 +60,17 @@ class StreamReport(dict):
         return json.dumps(clean(dict(self)), indent=2, allow_nan=False)
 
 
+def _show_hfstream_logs(level: int) -> None:
+    """hfstream's log lines follow the Trainer's ``log_level`` (warnings by default), on stderr."""
+    root = logging.getLogger("hfstream")
+    root.setLevel(level)
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hfstream] %(message)s"))
+        root.addHandler(handler)
+        root.propagate = False
+
+
 class _StreamCallback(TrainerCallback):
     """Marks the end of each optimizer step and gathers the report when training ends."""
 
@@ -94,6 +105,7 @@ class StreamTrainerMixin:
                 f"{type(self).__name__} needs args=StreamTrainingArguments(...), got {type(self.args).__name__}: "
                 "replace TrainingArguments with hfstream.StreamTrainingArguments (same fields, plus hfstream's)."
             )
+        _show_hfstream_logs(self.args.get_process_log_level())
         self.grad_sync_mode = self._resolve_grad_sync()
         self.grad_sync = None                    # a GradSync once training prepared the model
         self._prefetcher = None
@@ -122,6 +134,10 @@ class StreamTrainerMixin:
         if requested != "auto":
             return requested
         multi = self.accelerator.num_processes > 1
+        if multi and self.args._uses_sharded_engine():
+            logger.warning("hfstream: grad_sync='auto' falls back to 'native': FSDP/DeepSpeed/tensor parallelism own "
+                           "gradient communication (prefetching still applies)")
+            return "native"
         mode = "overlap" if plain_dp and multi and self.args.n_gpu <= 1 else "native"
         reason = ("plain multi-process data parallel" if mode == "overlap"
                   else f"distributed type {engine}, {self.accelerator.num_processes} process(es)")

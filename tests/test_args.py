@@ -71,6 +71,19 @@ def test_hfstream_sync_with_fsdp_says_use_native(tmp_path, mode):
         make(tmp_path, grad_sync=mode, fsdp="full_shard")
 
 
+@pytest.mark.parametrize("mode", ["overlap", "serial"])
+def test_hfstream_sync_with_deepspeed_says_use_native_before_deepspeed_is_imported(tmp_path, mode):
+    # DeepSpeed is not installed on CPU machines; the error must come first, from hfstream.
+    with pytest.raises(ValueError, match="grad_sync='native'"):
+        make(tmp_path, grad_sync=mode, deepspeed={"train_micro_batch_size_per_gpu": "auto"})
+
+
+@pytest.mark.parametrize("field,bad", [("step_watchdog_s", -1), ("step_watchdog_s", "soon"), ("step_watchdog_s", True)])
+def test_watchdog_rejects_bad_values(tmp_path, field, bad):
+    with pytest.raises(ValueError, match=field):
+        make(tmp_path, **{field: bad})
+
+
 def test_bucket_falls_back_to_ddp_bucket_cap(tmp_path):
     assert make(tmp_path, ddp_bucket_cap_mb=4).effective_bucket_mb == 4.0
     assert make(tmp_path, ddp_bucket_cap_mb=4, grad_bucket_mb=8).effective_bucket_mb == 8.0

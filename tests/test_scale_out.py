@@ -149,3 +149,21 @@ def test_resume_with_a_different_process_count_continues_from_the_checkpoint(tmp
     single = [[sys.executable, SCRIPT, *args, "--max_steps", "16", "--output_dir", str(out), "--resume", "last"]]
     run(single, out)
     assert (out / "done_rank0").read_text() == "16"
+
+
+# --------------------------------------------------------------------------- other engines
+def test_fsdp_config_on_cpu_falls_back_to_native_with_one_log_line_and_keeps_prefetching(tmp_path):
+    """On CPU, Accelerate runs an fsdp config as DDP (measured: the reducer warns; no FSDP module);
+    hfstream's part: 'auto' becomes 'native' with one warning per rank, and the prefetcher runs."""
+    import json
+
+    out = tmp_path / "fsdp"
+    args = COMMON + ["--max_steps", "6", "--fsdp", "full_shard", "--fsdp_config",
+                     '{"version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]}', "--grad_sync", "auto",
+                     "--prefetch_depth", "2", "--output_dir", str(out)]
+    nodes = run(one_node_two_procs(free_port(), args), out)
+    log = nodes[0].output
+    assert log.count("grad_sync='auto' falls back to 'native'") == 2, log[-3000:]
+    for rank in (0, 1):
+        info = json.loads((out / f"info_rank{rank}.json").read_text())
+        assert info["grad_sync"] == "native" and info["prefetch_thread"] is True, info

@@ -15,6 +15,7 @@ Extra flags: ``--trainer stock`` (transformers.Trainer), ``--fault kill|stop|nan
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -36,6 +37,19 @@ class ScriptArguments:
     fault_rank: int = 1
     samples: int = 512
     resume: str = field(default="", metadata={"help": "checkpoint dir, or 'last'"})
+
+
+class Observe(TrainerCallback):
+    """Records, at step 3, what a test wants to know about the running job."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            import threading
+
+            self.seen["prefetch_thread"] = any(t.name.startswith("hfstream-prefetch") for t in threading.enumerate())
 
 
 class Fault(TrainerCallback):
@@ -70,6 +84,8 @@ def main() -> None:
         trainer = Trainer(model=model, args=stock_args, train_dataset=dataset(script.samples))
     else:
         trainer = StreamTrainer(model=model, args=args, train_dataset=dataset(script.samples))
+    observe = Observe()
+    trainer.add_callback(observe)
     if script.fault in ("kill", "stop"):
         trainer.add_callback(Fault(script.fault, script.fault_step, script.fault_rank))
     resume = None
@@ -80,6 +96,10 @@ def main() -> None:
     out = Path(args.output_dir)
     torch.save({k: v.detach().cpu() for k, v in model.state_dict().items()}, out / f"params_rank{rank}.pt")
     (out / f"done_rank{rank}").write_text(str(trainer.state.global_step))
+    info = {"grad_sync": getattr(trainer, "grad_sync_mode", "stock"),
+            "distributed_type": str(trainer.accelerator.distributed_type),
+            "model_class": type(trainer.model_wrapped).__name__, **observe.seen}
+    (out / f"info_rank{rank}.json").write_text(json.dumps(info))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""A stuck step is reported and ended, never left hanging: StepWatchdog and GradSync's timeout."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from hfstream.watchdog import EXIT_CODE, StepWatchdog
+
+
+def test_a_step_past_the_limit_is_reported_once_with_what_it_waits_for():
+    dog = StepWatchdog(report_after_s=0.3, exit_after_s=None, describe=lambda: "bucket 3: never became ready",
+                       rank=1, poll_s=0.05)
+    try:
+        dog.begin(7)
+        time.sleep(0.9)
+        dog.end()
+        dog.begin(8)
+        time.sleep(0.1)          # under the limit: nothing to say
+        dog.end()
+    finally:
+        dog.close()
+    assert len(dog.reports) == 1
+    assert "rank 1 has been inside step 7" in dog.reports[0] and "bucket 3: never became ready" in dog.reports[0]
+
+
+def test_a_step_past_the_exit_limit_ends_the_process_with_code_124():
+    code = textwrap.dedent("""
+        import time
+        from hfstream.watchdog import StepWatchdog
+        dog = StepWatchdog(report_after_s=0.2, exit_after_s=0.6, describe=lambda: "waiting for bucket 0", poll_s=0.05)
+        dog.begin(5)
+        time.sleep(30)
+    """)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == EXIT_CODE
+    assert time.monotonic() - start < 20
+    assert "waiting for bucket 0" in done.stderr and f"Exiting with code {EXIT_CODE}" in done.stderr
+
+
+def test_watchdog_arguments_are_checked():
+    with pytest.raises(ValueError, match="report_after_s"):
+        StepWatchdog(0, None, describe=str)
+    with pytest.raises(ValueError, match="exit_after_s"):
+        StepWatchdog(5, 1, describe=str)
+
+
+def _late_peer(rank, world_size, timeout):
+    from hfstream import GradSync
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    sync = GradSync(model, bucket_mb=0, timeout=timeout)
+    if rank == 1:
+        time.sleep(timeout + 4)   # alive but late: rank 0 must not wait forever
+    model(torch.randn(4, 8)).sum().backward()
+    start = time.monotonic()
+    try:
+        sync.finish()
+        return ("ok", time.monotonic() - start, "")
+    except RuntimeError as exc:
+        return ("error", time.monotonic() - start, str(exc))
+
+
+@pytest.mark.multiprocess
+def test_finish_gives_up_after_its_timeout_and_names_the_pending_buckets(run_distributed):
+    results = run_distributed(_late_peer, 2, 2.0, timeout=90, pg_timeout_s=30)
+    status, waited, message = results[0]
+    assert status == "error" and waited < 6, results[0]
+    assert "did not complete" in message and "timeout=2 s" in message
+    assert "reduction not complete" in message and "1.bias" in message   # the first bucket: the last layer's
