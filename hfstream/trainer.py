@@ -120,6 +120,31 @@ class StreamTrainerMixin:
         self._watchdog = None
         self.add_callback(_StreamCallback(self))
 
+    # -- before training: refuse what would fail late or hang ----------------------------------------
+    def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
+        """`Trainer.train`, after checking what would otherwise fail deep inside it.
+
+        Refuses a model with no trainable parameter and a truncated or corrupt checkpoint (see
+        `hfstream.checkpoint`) with errors that say what to do instead.
+        """
+        model = self.model
+        if model is not None and not any(p.requires_grad for p in model.parameters()):
+            raise ValueError(
+                "the model has no trainable parameters (every requires_grad is False): train() would have nothing "
+                "to update. Unfreeze what should learn (e.g. model.requires_grad_(True), or a PEFT adapter), or "
+                "call evaluate()/predict() instead."
+            )
+        if resume_from_checkpoint:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            from .checkpoint import check_checkpoint
+
+            path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
+                    else resume_from_checkpoint)
+            if path is not None:
+                check_checkpoint(path)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
     # -- configuration ---------------------------------------------------------------------------
     def _resolve_grad_sync(self) -> str:
         """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (logged once)."""

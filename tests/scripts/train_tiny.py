@@ -32,10 +32,12 @@ from hfstream import StreamTrainer, StreamTrainingArguments  # noqa: E402
 @dataclass
 class ScriptArguments:
     trainer: str = field(default="stream", metadata={"choices": ["stream", "stock"]})
-    fault: str = field(default="none", metadata={"choices": ["none", "kill", "stop"]})
+    fault: str = field(default="none", metadata={"choices": ["none", "kill", "stop", "nan"]})
     fault_step: int = 4
     fault_rank: int = 1
     samples: int = 512
+    variable_length: bool = field(default=False, metadata={"help": "samples of 4..16 tokens, padded per batch"})
+    freeze_all: bool = False
     resume: str = field(default="", metadata={"help": "checkpoint dir, or 'last'"})
 
 
@@ -62,10 +64,41 @@ class Fault(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
 
 
-def dataset(n: int, seq: int = 16, vocab: int = 64):
+def dataset(n: int, seq: int = 16, vocab: int = 64, variable: bool = False):
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (n, seq), generator=g)
-    return [{"input_ids": row, "labels": row} for row in ids]
+    ids = torch.randint(1, vocab, (n, seq), generator=g)
+    if not variable:
+        return [{"input_ids": row, "labels": row} for row in ids]
+    lengths = torch.randint(4, seq + 1, (n,), generator=g)
+    return [{"input_ids": row[:k], "labels": row[:k]} for row, k in zip(ids, lengths.tolist())]
+
+
+def pad_batch(rows):
+    """Pads to the longest sample of this batch: ranks see batches of different lengths."""
+    longest = max(len(r["input_ids"]) for r in rows)
+    ids = torch.zeros(len(rows), longest, dtype=torch.long)
+    labels = torch.full((len(rows), longest), -100, dtype=torch.long)
+    mask = torch.zeros(len(rows), longest, dtype=torch.long)
+    for i, r in enumerate(rows):
+        k = len(r["input_ids"])
+        ids[i, :k], labels[i, :k], mask[i, :k] = r["input_ids"], r["labels"], 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+class NanAt(TrainerCallback):
+    """Makes rank R's forward output NaN during step S (a NaN loss on one rank)."""
+
+    def __init__(self, model, step: int, rank: int):
+        self.step, self.rank, self.active = step, rank, False
+        model.register_forward_hook(lambda mod, inp, out: self._poison(out))
+
+    def _poison(self, out):
+        if self.active and out.loss is not None:
+            out.loss = out.loss * float("nan")
+        return out
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.active = state.global_step == self.step and int(os.environ.get("RANK", 0)) == self.rank
 
 
 def main() -> None:
@@ -77,15 +110,20 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
+    if script.freeze_all:
+        model.requires_grad_(False)
+    data = dataset(script.samples, variable=script.variable_length)
     if script.trainer == "stock":
         kw = {f: getattr(args, f) for f in TrainingArguments.__dataclass_fields__ if f in args.__dict__}
         kw = {k: v for k, v in kw.items() if not k.startswith("_")}
         stock_args = TrainingArguments(**{k: kw[k] for k in kw if TrainingArguments.__dataclass_fields__[k].init})
-        trainer = Trainer(model=model, args=stock_args, train_dataset=dataset(script.samples))
+        trainer = Trainer(model=model, args=stock_args, train_dataset=data, data_collator=pad_batch)
     else:
-        trainer = StreamTrainer(model=model, args=args, train_dataset=dataset(script.samples))
+        trainer = StreamTrainer(model=model, args=args, train_dataset=data, data_collator=pad_batch)
     observe = Observe()
     trainer.add_callback(observe)
+    if script.fault == "nan":
+        trainer.add_callback(NanAt(model, script.fault_step, script.fault_rank))
     if script.fault in ("kill", "stop"):
         trainer.add_callback(Fault(script.fault, script.fault_step, script.fault_rank))
     resume = None
