@@ -167,3 +167,45 @@ def test_fsdp_config_on_cpu_falls_back_to_native_with_one_log_line_and_keeps_pre
     for rank in (0, 1):
         info = json.loads((out / f"info_rank{rank}.json").read_text())
         assert info["grad_sync"] == "native" and info["prefetch_thread"] is True, info
+
+
+# --------------------------------------------------------------------------- the SLURM template
+FAKE_SRUN = """#!/bin/bash
+# Stands in for srun: runs the command once per node, in parallel, with SLURM_NODEID set.
+pids=()
+for ((n = 0; n < SLURM_NNODES; n++)); do
+  [[ "$1" == --* ]] && shift
+  SLURM_NODEID=$n "$@" &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+
+@pytest.mark.slow
+def test_the_sbatch_template_runs_two_nodes_through_accelerate_launch(tmp_path):
+    """The real template, with srun/scontrol replaced by shims that start both "nodes" here."""
+    import os
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho 127.0.0.1\n")
+    accelerate = bin_dir / "accelerate"
+    accelerate.write_text(f"#!/bin/bash\nexec {sys.executable} -m accelerate.commands.accelerate_cli \"$@\"\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    out = tmp_path / "run"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "fake[0-1]",
+           "SLURM_NNODES": "2", "SLURM_JOB_ID": "1", "CONFIG": "recipes/accelerate/cpu_2node.yaml",
+           "PROCS_PER_NODE": "1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           "TRAIN_ARGS": f"--output_dir {out} --max_steps 4 --n_layer 1 --n_embd 32 --n_head 2 --corpus_bytes 60000 "
+                         f"--block_size 32 --per_device_train_batch_size 2 --report_to none --save_strategy no "
+                         f"--eval_strategy no --grad_sync overlap"}
+    done = subprocess.run(["bash", "recipes/slurm/train_2node.sbatch"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "2 nodes x 1 processes" in done.stdout
