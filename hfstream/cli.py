@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_prefetch.add_arguments(p)
     p.set_defaults(func=functools.partial(_run_with_parser, bench_prefetch.run_from_args, p))
 
+    # Parsed by bench_soak itself (see main()); listed here so `hfstream --help` shows it.
+    sub.add_parser("soak", help="2 ranks for 2000 steps: do resident memory, threads and open files stay flat?")
+
     from . import plan
 
     p = sub.add_parser("plan", help="predict step time, exposed communication and the ceiling for 1..1024 devices")
@@ -135,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["soak"]:
+        from .bench_soak import main as soak_main
+
+        return soak_main(argv[1:])
     ns = build_parser().parse_args(argv)
     return int(ns.func(ns) or 0)
 
