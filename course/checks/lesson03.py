@@ -1,0 +1,427 @@
+"""Lesson 03 checks: timing the data wait, a depth-N prefetcher, the depth a bursty loader needs.
+
+The prefetcher is graded on behaviour only (what it yields, how far its thread runs ahead, where
+an error surfaces, whether a thread is left behind), never on speed. Every call into the learner's
+iterator runs in a helper thread with a deadline, so a hang becomes a hint instead of a timeout.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+
+from course.grading import Exercise, Wrong
+
+_HELPER = "course-check-"      # name prefix of this module's own threads
+_DEADLINE_S = 5.0              # how long one call into the learner's iterator may take
+
+
+# --------------------------------------------------------------------------- helpers
+class _Item:
+    """A batch with an identity: equal only to itself, so copies are caught."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"batch{self.index}"
+
+
+class _Source:
+    """An iterable of `_Item`s that records how many were pulled, and by which threads.
+
+    ``n=None`` is a long source (10 000 items); ``fail_at=k`` raises ``self.error`` instead of
+    yielding item k; ``release()`` makes it end at its next pull (frees a thread still reading it).
+    """
+
+    def __init__(self, n: int | None = None, fail_at: int | None = None, delay_s: float = 0.0):
+        self.n = 10_000 if n is None else n
+        self.fail_at = fail_at
+        self.delay_s = delay_s
+        self.error = ValueError(f"collate failed on batch {fail_at}")
+        self.items: list[_Item] = []
+        self.threads: set[int] = set()
+        self._released = False
+
+    @property
+    def pulled(self) -> int:
+        return len(self.items)
+
+    def release(self) -> None:
+        self._released = True
+
+    def __iter__(self):
+        for i in range(self.n):
+            if self._released:
+                return
+            self.threads.add(threading.get_ident())
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            if i == self.fail_at:
+                raise self.error
+            self.items.append(_Item(i))
+            yield self.items[-1]
+
+
+def _within(seconds: float, fn, *args):
+    """Run ``fn(*args)`` in a daemon thread; return (finished, value, exception, thread id)."""
+    box: dict = {}
+
+    def run():
+        box["ident"] = threading.get_ident()
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:   # noqa: BLE001 - handed back to the case
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"{_HELPER}consumer", daemon=True)
+    t.start()
+    t.join(seconds)
+    return (not t.is_alive()), box.get("value"), box.get("error"), box.get("ident")
+
+
+def _settle(src: _Source, quiet_s: float = 0.4, limit_s: float = 3.0) -> int:
+    """Wait until ``src`` has not been pulled for ``quiet_s`` (the thread is blocked); return the count."""
+    deadline = time.monotonic() + limit_s
+    last, since = src.pulled, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        now = src.pulled
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            break
+    return src.pulled
+
+
+def _new_threads(before: set) -> list[threading.Thread]:
+    return [t for t in threading.enumerate()
+            if t not in before and t.is_alive() and not t.name.startswith(_HELPER)]
+
+
+def _call(learner, src, depth):
+    gen = learner.prefetch(src, depth)
+    if not hasattr(gen, "__next__"):
+        raise Wrong(f"prefetch(...) returned {type(gen).__name__}, not an iterator: write it as a generator "
+                    "(a function that `yield`s each batch)")
+    return gen
+
+
+# --------------------------------------------------------------------------- 03.data_wait
+data_wait = Exercise("03.data_wait", uses=["timed_epoch", "expected_step_ms"],
+                     title="measure the data wait, predict the step")
+
+
+class _SlowNext:
+    """Four batches, each taking ``ms`` inside next()."""
+
+    def __init__(self, ms: float, n: int = 4):
+        self.ms, self.n = ms, n
+
+    def __iter__(self):
+        for i in range(self.n):
+            time.sleep(self.ms / 1e3)
+            yield i
+
+
+@data_wait.case("data_wait_ms is the time inside next(), step_ms the whole step",
+                hint="t0 = perf_counter(); batch = next(it); t1 = perf_counter(); step(batch); "
+                     "t2 = perf_counter(): wait = t1 - t0, step = t2 - t0, in milliseconds", timeout=30)
+def _(learner):
+    calls = []
+
+    def step(batch):
+        calls.append(batch)
+        time.sleep(0.060)
+
+    out = learner.timed_epoch(_SlowNext(30.0), step)
+    if not isinstance(out, dict) or not {"data_wait_ms", "step_ms"} <= set(out):
+        raise Wrong('return a dict with two lists: {"data_wait_ms": [...], "step_ms": [...]}')
+    waits, steps = list(out["data_wait_ms"]), list(out["step_ms"])
+    if calls != [0, 1, 2, 3]:
+        raise Wrong(f"step() was called with {calls} for a loader of 4 batches [0, 1, 2, 3]: "
+                    "call it once per batch, in order, until next() raises StopIteration")
+    if len(waits) != 4 or len(steps) != 4:
+        raise Wrong(f"4 steps ran but you returned {len(waits)} data waits and {len(steps)} step times: "
+                    "append one of each per step")
+    w, s = statistics.median(waits), statistics.median(steps)
+    if s < 1.0 and w < 1.0:
+        raise Wrong(f"your times look like seconds (median step {s:.3f}): return milliseconds, (t1 - t0) * 1e3")
+    if w > 75:
+        raise Wrong(f"your data wait ({w:.0f} ms) includes the step: stop its clock right after next() returns")
+    if w < 10:
+        raise Wrong(f"your data wait is {w:.1f} ms but each next() sleeps 30 ms: a `for` loop calls next() "
+                    "before your timer starts; call batch = next(it) yourself between two perf_counter() reads")
+    if s < 80:
+        raise Wrong(f"your step time ({s:.0f} ms) leaves out the data wait: step_ms runs from asking for the "
+                    "batch to the end of step(batch), so it is data wait + compute (30 + 60 ms here)")
+    assert 28 <= w <= 70, f"median data wait {w:.1f} ms, expected about 30"
+    assert 85 <= s <= 150, f"median step {s:.1f} ms, expected about 90"
+    return f"data wait {w:.0f} ms, step {s:.0f} ms (30 + 60 expected)"
+
+
+@data_wait.case("max_steps stops the loop early",
+                hint="loop while max_steps is None or len(steps) < max_steps", timeout=30)
+def _(learner):
+    calls = []
+    out = learner.timed_epoch(list(range(100)), calls.append, max_steps=3)
+    if len(calls) == 100:
+        raise Wrong("with max_steps=3 you ran all 100 batches: stop after max_steps steps")
+    if len(calls) != 3:
+        raise Wrong(f"with max_steps=3 step() ran {len(calls)} times: check the count before each step "
+                    "(an off-by-one?)")
+    assert len(out["step_ms"]) == 3 and len(out["data_wait_ms"]) == 3, \
+        f"3 steps ran but the lists hold {len(out['data_wait_ms'])} and {len(out['step_ms'])} entries"
+
+
+@data_wait.case("expected step: collate + compute at depth 0, max(collate, compute) with a prefetcher",
+                hint="depth 0: nothing overlaps; depth >= 1: the next collate runs during this compute")
+def _(learner):
+    for collate, compute, depth, want in ((30.0, 20.0, 0, 50.0), (30.0, 20.0, 2, 30.0),
+                                          (10.0, 40.0, 1, 40.0), (10.0, 40.0, 0, 50.0), (10.0, 40.0, 4, 40.0)):
+        got = learner.expected_step_ms(collate, compute, depth)
+        if got is not None and math.isclose(got, want, rel_tol=1e-9):
+            continue
+        if depth == 0 and got is not None and math.isclose(got, max(collate, compute)):
+            raise Wrong("without a prefetcher (depth=0) nothing overlaps: the loop collates, then computes, "
+                        "so a step costs collate_ms + compute_ms")
+        if depth > 0 and got is not None and math.isclose(got, collate + compute):
+            raise Wrong("with a prefetcher the next batch is collated while this step computes: the step "
+                        "costs the longer of the two, max(collate_ms, compute_ms)")
+        if got is not None and math.isclose(got, min(collate, compute)):
+            raise Wrong("a step cannot be shorter than either of its parts: max, not min")
+        raise AssertionError(f"expected_step_ms({collate}, {compute}, depth={depth}) returned {got}, expected {want}")
+    return "5 cases"
+
+
+# --------------------------------------------------------------------------- 03.prefetcher
+prefetcher = Exercise("03.prefetcher", uses=["prefetch"], title="a depth-N prefetcher")
+
+
+@prefetcher.case("yields the same batches, in order, read by a background thread",
+                 hint="a thread pulls from the iterable and q.put()s each item, then an end marker; "
+                      "the generator q.get()s and yields until the marker", timeout=60)
+def _(learner):
+    for depth in (1, 2, 4):
+        for n in (0, 1, 3, 10):
+            src = _Source(n)
+            done, got, err, consumer = _within(_DEADLINE_S, lambda: list(_call(learner, src, depth)))
+            src.release()
+            if not done:
+                raise Wrong(f"list(prefetch(<{n} batches>, depth={depth})) never finished: after the last batch "
+                            "the thread must put an end marker in the queue, and the generator must return when "
+                            "it gets it (without one it waits forever on an empty queue)")
+            if err is not None:
+                raise err
+            want = src.items
+            indices = [getattr(b, "index", b) for b in got]
+            if len(got) != n:
+                lost = "the first" if indices == list(range(1, n)) else "the last" if indices == list(range(n - 1)) else None
+                why = f": {lost} batch is lost" if lost else ""
+                raise Wrong(f"a source of {n} batches gave {len(got)} (depth={depth}){why}. Yield every item the "
+                            "thread took, and put the end marker after the last one")
+            if indices != list(range(n)):
+                raise Wrong(f"batches came out as {indices[:8]}, not in the loader's order: one thread, one FIFO "
+                            "queue, and yield them as they come")
+            if not all(a is b for a, b in zip(got, want)):
+                raise Wrong("the batches are copies: yield the very objects the loader produced (a prefetcher "
+                            "moves work earlier, it does not change the data)")
+            if n and src.threads <= {consumer}:
+                raise Wrong("the loader was read by the training loop's own thread, so nothing is prepared ahead: "
+                            "start a threading.Thread that pulls from the iterable and puts into the queue")
+    return "depths 1, 2, 4 and sources of 0, 1, 3, 10 batches"
+
+
+@prefetcher.case("runs ahead of the loop by at most depth batches",
+                 hint="queue.Queue(maxsize=depth): the thread keeps it full and blocks in put() when it is",
+                 timeout=60)
+def _(learner):
+    for depth in (1, 3):
+        src = _Source(60)
+        gen = _call(learner, src, depth)
+        taken = 0
+        try:
+            for upto in (1, 3):
+                while taken < upto:
+                    done, _, err, _ = _within(_DEADLINE_S, next, gen)
+                    if not done:
+                        raise Wrong(f"next() on prefetch(<60 batches>, depth={depth}) waited {_DEADLINE_S:.0f} s "
+                                    "for a batch that was ready in the loader: does the thread start, and put "
+                                    "each item in the queue?")
+                    if err is not None:
+                        raise err
+                    taken += 1
+                pulled = _settle(src)
+                ahead = pulled - taken
+                if ahead > depth + 1:
+                    raise Wrong(f"with depth={depth}, the loop had taken {taken} batch(es) and your thread had "
+                                f"already pulled {pulled}: {ahead} ahead. Bound the queue, "
+                                "queue.Queue(maxsize=depth), so the thread runs at most depth batches ahead "
+                                "(plus the one in its hand waiting for room); an unbounded queue stages the "
+                                "whole epoch in memory")
+                if ahead < depth:
+                    raise Wrong(f"with depth={depth}, while the loop worked on batch {taken - 1} your thread had "
+                                f"prepared only {ahead} batch(es) ahead: a prefetcher keeps pulling until "
+                                "depth batches wait in the queue, without waiting to be asked")
+        finally:
+            _within(_DEADLINE_S, getattr(gen, "close", lambda: None))
+            src.release()
+    return "depth 1 and 3: ahead by depth (+1 in hand)"
+
+
+@prefetcher.case("a loader error surfaces at the step that would have consumed its batch",
+                 hint="in the thread: try/except around the loop, put ('error', exc) in the queue; in the "
+                      "generator: raise it when it comes out", timeout=60)
+def _(learner):
+    src = _Source(10, fail_at=5)
+
+    def consume():
+        got = []
+        try:
+            for b in _call(learner, src, 2):
+                got.append(b)
+        except Exception as e:   # noqa: BLE001 - we want to see which one
+            return got, e
+        return got, None
+
+    done, value, err, _ = _within(_DEADLINE_S, consume)
+    src.release()
+    if not done:
+        raise Wrong("the loader raised in batch 5 and your loop hung: an exception ends the thread silently, and "
+                    "the consumer waits forever on get(). Catch it in the thread, put it in the queue, and raise "
+                    "it in the generator when it comes out")
+    if err is not None:
+        raise err
+    got, exc = value
+    if exc is None:
+        raise Wrong(f"the loader raised ValueError after 5 batches, but your loop ended quietly after {len(got)}: "
+                    "the error was swallowed and training would go on with a truncated epoch. Raise it in the "
+                    "consumer")
+    if exc is not src.error and not (type(exc) is ValueError and str(exc) == str(src.error)):
+        chain, seen = exc, []
+        while chain is not None and chain not in seen:
+            seen.append(chain)
+            chain = chain.__cause__ or chain.__context__
+        if src.error in seen:
+            raise Wrong(f"you raised {type(exc).__name__} around the loader's ValueError: raise the loader's own "
+                        "exception object (`raise exc`), so the training script's `except ValueError` still "
+                        "catches it")
+        raise exc        # the learner's own code crashed: show where
+    if len(got) < 5:
+        raise Wrong(f"the loader's error surfaced at step {len(got)}, but batches 0-4 came before it and were "
+                    "ready: send the error through the queue, behind them, so it surfaces at step 5 where the "
+                    "stock loop raises it")
+    assert [getattr(b, "index", b) for b in got] == list(range(5)), \
+        f"before the error the loop got {got}, expected batches 0-4"
+    return "5 batches, then the loader's own ValueError"
+
+
+@prefetcher.case("stopping early (break, close(), an error) leaves no thread behind",
+                 hint="in the generator's finally: set a threading.Event, let a blocked put() see it "
+                      "(put(item, timeout=0.05) in a loop that checks it), then join() the thread",
+                 timeout=90)
+def _(learner):
+    def stop_by_break(src):
+        for i, _ in enumerate(_call(learner, src, 2)):
+            if i == 2:
+                break
+
+    def stop_by_close(src):
+        gen = _call(learner, src, 2)
+        next(gen)
+        next(gen)
+        if not hasattr(gen, "close"):
+            raise Wrong("prefetch(...) has no close(): write it as a generator, so that Python closes it (and "
+                        "runs its finally block) when the loop stops early")
+        gen.close()
+
+    def stop_by_error(src):
+        try:
+            for _ in _call(learner, src, 2):
+                pass
+        except ValueError:
+            pass
+
+    for how, fn, src in (("`break` after 3 batches", stop_by_break, _Source()),
+                         ("gen.close() after 2 batches", stop_by_close, _Source()),
+                         ("the loader's error", stop_by_error, _Source(n=50, fail_at=4))):
+        before = set(threading.enumerate())
+        done, _, err, _ = _within(_DEADLINE_S, fn, src)
+        try:
+            if not done:
+                raise Wrong(f"stopping early ({how}) hung: your generator's finally waits for a thread that "
+                            "cannot finish, typically one blocked in q.put() on a full queue that nobody reads "
+                            "any more. Set a stop Event first, and put with a timeout in a loop that checks it "
+                            "(or drain the queue) before join()")
+            if err is not None:
+                raise err
+            deadline = time.monotonic() + 2.0
+            while _new_threads(before) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            alive = _new_threads(before)
+            if alive:
+                pulled = src.pulled
+                time.sleep(0.3)
+                if src.pulled > pulled:
+                    raise Wrong(f"once the loop stopped ({how}), your thread kept pulling batches from the loader ({src.pulled} so "
+                                "far): check a stop Event (threading.Event) in the thread's loop and set it in the "
+                                "generator's finally")
+                raise Wrong(f"once the loop stopped ({how}), the prefetch thread ({alive[0].name}) is still alive, most likely "
+                            "blocked in put() on a full queue for a consumer that is gone: in the generator's "
+                            "finally, set a stop Event, make the thread put(item, timeout=0.05) in a loop that "
+                            "checks it (or drain the queue), then join() it")
+        finally:
+            src.release()
+    return "break, close() and a loader error each leave no thread"
+
+
+# --------------------------------------------------------------------------- 03.depth
+depth_ex = Exercise("03.depth", uses=["longest_wait_ms", "depth_needed"], title="how deep the prefetcher must be")
+
+
+def _longest(worst, compute, depth):
+    return worst if depth == 0 else max(0.0, worst - (depth + 1) * compute)
+
+
+@depth_ex.case("the slow batch waits for what (depth + 1) steps of compute do not cover",
+               hint="depth 0: the whole collate; depth >= 1: max(0, worst - (depth + 1) * compute)")
+def _(learner):
+    for worst, compute, depth in ((100.0, 25.0, 1), (100.0, 25.0, 2), (100.0, 25.0, 3), (100.0, 25.0, 6),
+                                  (40.0, 25.0, 1), (100.0, 25.0, 0), (10.0, 25.0, 0)):
+        want = _longest(worst, compute, depth)
+        got = learner.longest_wait_ms(worst, compute, depth)
+        if got is not None and math.isclose(got, want, abs_tol=1e-9):
+            continue
+        if depth == 0:
+            raise Wrong(f"longest_wait_ms({worst}, {compute}, depth=0) returned {got}: without a prefetcher "
+                        "nothing is ready in advance, so the step waits for the whole collate")
+        if got is not None and math.isclose(got, max(0.0, worst - depth * compute), abs_tol=1e-9):
+            raise Wrong("count the batch in the thread's hand too: depth batches wait in the queue and the thread "
+                        "finishes the one it holds, so (depth + 1) * compute_ms of work is ready")
+        if got is not None and got < 0:
+            raise Wrong(f"a wait is never negative (you returned {got}): max(0, ...)")
+        raise AssertionError(f"longest_wait_ms({worst}, {compute}, {depth}) returned {got}, expected {want}")
+    return "7 cases"
+
+
+@depth_ex.case("depth_needed: the smallest depth >= 1 with no wait",
+               hint="the smallest depth >= 1 with (depth + 1) * compute_ms >= worst_collate_ms")
+def _(learner):
+    for worst, compute in ((100.0, 25.0), (101.0, 25.0), (20.0, 25.0), (50.0, 25.0), (75.0, 25.0), (260.0, 30.0)):
+        want = next(d for d in range(1, 100) if _longest(worst, compute, d) == 0)
+        got = learner.depth_needed(worst, compute)
+        if got == want:
+            continue
+        if got == want + 1 and got == math.ceil(worst / compute):
+            raise Wrong(f"depth_needed({worst}, {compute}) returned {got}, one too deep: the batch in the "
+                        "thread's hand counts too, so depth + 1 steps of compute are ready")
+        if got == 0 or (got is not None and got < 1):
+            raise Wrong(f"depth_needed({worst}, {compute}) returned {got}: depth 0 means no prefetcher at all; "
+                        "the answer is at least 1")
+        if got is not None and got == want - 1:
+            raise Wrong(f"depth_needed({worst}, {compute}) returned {got}, which leaves a wait of "
+                        f"{_longest(worst, compute, got):.0f} ms: round up (math.ceil), not down")
+        raise AssertionError(f"depth_needed({worst}, {compute}) returned {got}, expected {want}")
+    return "6 cases"
