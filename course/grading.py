@@ -23,6 +23,7 @@ runs the notebook, a JSON-lines file named by ``$HFSTREAM_COURSE_RESULTS``.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import datetime
 import importlib
@@ -186,7 +187,7 @@ class Learner:
         """
         chunks: list[str] = []
         for name in self.exercise.uses:
-            cell = _strip_notebook_syntax(self.source(name))
+            cell = keep_definitions(_strip_notebook_syntax(self.source(name)), self.exercise.preamble)
             if cell not in chunks:
                 chunks.append(cell)
         text = LEARNER_PREAMBLE + self.exercise.preamble + "\n\n" + "\n\n".join(chunks) + "\n"
@@ -234,6 +235,42 @@ def run_cell(source: str, namespace: dict[str, Any] | None = None) -> dict[str, 
 _CELLS: list[str] = []
 
 
+def _imported_names(tree) -> set[str]:
+    return {alias.asname or alias.name.split(".")[0]
+            for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
+
+def keep_definitions(source: str, preamble: str = "") -> str:
+    """The statements of a cell that define something; those that would *run* something are dropped.
+
+    Kept: imports, functions, classes, and assignments whose calls reach only builtins, imported
+    names or the course's own helpers (``torch.zeros(3)``, ``model = TinyMLP()``). Dropped:
+    expressions (``print(...)``, a test call the learner left in the cell), loops, ``if``
+    blocks, and assignments that call a notebook function (``out = train(...)``): in a spawned
+    rank those would run again, or spawn ranks of their own.
+    """
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source   # let the rank report the syntax error where it is
+    import builtins
+
+    from course import lib
+
+    safe = (set(dir(builtins)) | _imported_names(tree) | _imported_names(ast.parse(LEARNER_PREAMBLE + preamble))
+            | set(lib.__all__))
+    lines, chunks = source.splitlines(), []
+    for node in tree.body:
+        keep = isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            calls = [c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
+            keep = all(name in safe for name in calls)
+        if keep:
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            chunks.append("\n".join(lines[first - 1:node.end_lineno]))
+    return "\n".join(chunks) + "\n"
+
+
 def load_module(path: str | os.PathLike, name: str = "learner"):
     """Import a file written by `Learner.module_file` (in a rank process)."""
     spec = importlib.util.spec_from_file_location(name, str(path))
@@ -249,6 +286,7 @@ def is_stub(fn: Any) -> bool:
     if inspect.isclass(fn):
         targets = [v for v in vars(fn).values() if inspect.isfunction(v)]
     for t in targets:
+        t = inspect.unwrap(t) if callable(t) else t    # through @contextmanager, functools.wraps
         code = getattr(t, "__code__", None)
         if code is not None and any(isinstance(c, str) and STUB_MARK.search(c) for c in code.co_consts):
             return True

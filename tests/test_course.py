@@ -147,6 +147,27 @@ def test_learner_module_file_carries_the_whole_cell_for_spawned_ranks(tmp_path):
     assert load_module(path, "learner_probe").Doubler().go(21) == 42
 
 
+def test_learner_module_keeps_definitions_and_drops_calls_that_would_run_in_every_rank(tmp_path):
+    from course.grading import Exercise, Learner, load_module
+
+    ex = Exercise("99.defs", uses=["train"])
+    ns = run_cell(textwrap.dedent("""
+        import math
+        STEPS = 3
+        layer = nn.Linear(2, 2)
+        def train(x):
+            return x + STEPS
+        print("a test call the learner left behind")
+        result = train(1)
+        for i in range(2):
+            train(i)
+    """), {"nn": __import__("torch").nn})
+    text = Path(Learner(ns, ex).module_file(tmp_path)).read_text()
+    assert "STEPS = 3" in text and "layer = nn.Linear" in text and "def train" in text
+    assert "print(" not in text and "result = train" not in text and "for i in" not in text
+    assert load_module(text and Learner(ns, ex).module_file(tmp_path), "learner_defs").train(1) == 4
+
+
 def test_cli_grades_a_lesson_writes_json_and_shows_progress(tmp_path):
     out = tmp_path / "grade.json"
     env = {**__import__("os").environ, "HFSTREAM_COURSE_PROGRESS": str(tmp_path / "p.json")}
