@@ -75,3 +75,22 @@ def test_finish_gives_up_after_its_timeout_and_names_the_pending_buckets(run_dis
     assert status == "error" and waited < 6, results[0]
     assert "did not complete" in message and "timeout=2 s" in message
     assert "reduction not complete" in message and "1.bias" in message   # the first bucket: the last layer's
+
+
+def _unused_layer(rank, world_size):
+    from hfstream import GradSync
+
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(8, 8), "skipped": torch.nn.Linear(8, 8)})
+    sync = GradSync(model, bucket_mb=0, timeout=30)
+    model["used"](torch.randn(4, 8)).sum().backward()   # "skipped" never gets a gradient this step
+    report = sync.pending_report()
+    sync.finish()                                       # unused parameters still travel: no hang
+    return report
+
+
+@pytest.mark.multiprocess
+def test_pending_report_names_the_buckets_that_never_became_ready_and_their_parameters(run_distributed):
+    report = run_distributed(_unused_layer, 2, timeout=90)[0]
+    assert "never became ready; no gradient yet for skipped.bias" in report
+    assert "skipped.weight" in report and "used.weight" not in report
