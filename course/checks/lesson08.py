@@ -1,0 +1,290 @@
+"""Lesson 08 checks: migrating a stock Trainer script to StreamTrainer, reading a step report;
+and the helpers the lesson's launches use (the tiny dataset, the learner's migration as a file).
+
+The migration is graded by building and training the learner's trainer in this process (a
+single process: cheap); the notebook then launches the same function under `accelerate launch`.
+The report exercise is graded on real reports recorded from `course/scripts/08_train_tiny.py`
+runs (two processes on one machine, and two one-process "nodes"), on variants of them in which
+another part dominates, and on the report the learner's own launch produced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import math
+import tempfile
+
+import torch
+
+from course.grading import Exercise, Learner, Wrong, get_exercise
+
+# The stock script's settings (the notebook's `stock_trainer` writes them out literally).
+STOCK = dict(max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=3e-3,
+             lr_scheduler_type="constant", logging_steps=3, seed=0, ddp_bucket_cap_mb=1,
+             report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True)
+KEPT = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate",
+        "lr_scheduler_type", "seed", "use_cpu")
+
+
+def tiny_dataset(n: int = 128, seq: int = 32, vocab: int = 257, seed: int = 1) -> list[dict]:
+    """Random token ids as a causal-LM dataset (a list of dicts works as a Trainer dataset)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq), generator=g)
+    return [{"input_ids": row, "labels": row} for row in ids]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Train with one intra-op thread: on a busy 2-core laptop, two OpenMP threads in the notebook's
+    kernel wait for each other and a tiny step takes 10-30x longer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def migration_file(namespace: dict) -> str:
+    """The learner's `stream_trainer` cell as a module file, for `08_train_tiny.py --builder`."""
+    return Learner(namespace, get_exercise("08.migrate")).module_file()
+
+
+# --------------------------------------------------------------------------- 08.migrate
+migrate = Exercise("08.migrate", uses=["stream_trainer"], title="from Trainer to StreamTrainer",
+                   preamble="from transformers import Trainer, TrainingArguments\n"
+                            "from hfstream import StreamTrainer, StreamTrainingArguments\n")
+
+
+def _build(learner):
+    from course.lib import tiny_gpt2
+
+    model = tiny_gpt2(layers=2, width=64, positions=32)
+    out = tempfile.mkdtemp(prefix="hfstream-l08-")
+    try:
+        trainer = learner.stream_trainer(model, tiny_dataset(64), out)
+    except TypeError as e:
+        if "StreamTrainingArguments" in str(e):
+            raise Wrong("StreamTrainer refused plain TrainingArguments: build the arguments with "
+                        "hfstream.StreamTrainingArguments (the same fields, plus hfstream's)") from None
+        raise
+    return trainer, model
+
+
+@migrate.case("it builds a StreamTrainer with StreamTrainingArguments, on the model and data given",
+              hint="swap the two names: StreamTrainer(model=..., args=StreamTrainingArguments(...), train_dataset=...)")
+def _(learner):
+    from transformers import Trainer
+
+    from hfstream import StreamTrainer, StreamTrainingArguments
+
+    trainer, model = _build(learner)
+    if trainer is None:
+        raise Wrong("stream_trainer returned None: return the trainer you built")
+    if not isinstance(trainer, StreamTrainer):
+        if isinstance(trainer, Trainer):
+            raise Wrong(f"this is still {type(trainer).__name__}: use hfstream.StreamTrainer (the mixin over Trainer)")
+        raise AssertionError(f"stream_trainer returned a {type(trainer).__name__}")
+    assert isinstance(trainer.args, StreamTrainingArguments)
+    if trainer.model is not model:
+        raise Wrong("the trainer trains another model than the one passed in: pass model=model")
+    if trainer.train_dataset is None or len(trainer.train_dataset) != 64:
+        raise Wrong("pass the given train_dataset to the trainer")
+
+
+@migrate.case("every stock setting survives the migration",
+              hint="copy each TrainingArguments setting of stock_trainer into StreamTrainingArguments unchanged")
+def _(learner):
+    from transformers import TrainingArguments
+
+    trainer, _ = _build(learner)
+    stock = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="hfstream-l08-"), **STOCK)
+    for name in KEPT:
+        got, want = getattr(trainer.args, name), getattr(stock, name)
+        if got != want:
+            extra = (" (gradient accumulation is why StreamTrainer turns sync off on every micro-step but the "
+                     "last: lesson 07's no_sync)") if name == "gradient_accumulation_steps" else ""
+            raise Wrong(f"{name} is {got!r}, the stock script has {want!r}: a migration changes how the step runs, "
+                        f"never what it computes{extra}")
+    return f"{len(KEPT)} settings kept"
+
+
+@migrate.case("hfstream's settings: prefetch 2 batches, overlap, 1 MiB buckets",
+              hint="prefetch_depth=2, grad_sync='overlap'; keep ddp_bucket_cap_mb=1 (hfstream reads it) or set "
+                   "grad_bucket_mb=1")
+def _(learner):
+    trainer, _ = _build(learner)
+    args = trainer.args
+    if args.prefetch_depth != 2:
+        raise Wrong(f"prefetch_depth is {args.prefetch_depth}: set 2 (0 is the stock behaviour, no batch in flight)")
+    if args.grad_sync != "overlap":
+        raise Wrong(f"grad_sync is {args.grad_sync!r}: ask for 'overlap' (hfstream's buckets, launched during "
+                    "backward). 'auto' resolves to it only under several processes, and 'native' means DDP")
+    if args.effective_bucket_mb != 1.0:
+        raise Wrong(f"hfstream's buckets would be {args.effective_bucket_mb!r} MiB: the stock script asked DDP for "
+                    "1 MiB (ddp_bucket_cap_mb=1). Keep that line, hfstream uses it when grad_bucket_mb is left "
+                    "at its default, or set grad_bucket_mb=1")
+    return "prefetch 2, overlap, 1 MiB"
+
+
+@migrate.case("it trains (one process here) and produces the step report",
+              hint="nothing else to change: StreamTrainer.train() then stream_report()", timeout=120)
+def _(learner):
+    trainer, _ = _build(learner)
+    with one_thread(), contextlib.redirect_stdout(io.StringIO()):   # the Trainer's log lines: not ours to show
+        trainer.train()
+    assert trainer.state.global_step == STOCK["max_steps"], (
+        f"trained {trainer.state.global_step} optimizer steps, the stock script trains {STOCK['max_steps']}")
+    report = trainer.stream_report()
+    mean = report.get("mean", {})
+    if not mean or not mean.get("steps"):
+        raise Wrong("stream_report() is empty: leave stream_report=True (the default)")
+    return (f"{trainer.state.global_step} steps, {mean['step_ms']:.1f} ms per step, "
+            f"efficiency {mean['efficiency']:.0%}")
+
+
+# --------------------------------------------------------------------------- 08.read_report
+read = Exercise("08.read_report", uses=["read_report"], title="read a step report")
+
+# Recorded from `08_train_tiny.py` (tiny GPT-2, 8 steps, grad_bucket_mb=0.25) on a 2-core laptop:
+# two processes under one `accelerate launch`, and two one-process "nodes".
+RECORDED = {
+    "one machine, 2 processes": {
+        "mean": {"data_wait_ms": 3.717, "forward_ms": 2.381, "backward_ms": 3.109, "comm_busy_ms": 9.693,
+                 "exposed_comm_ms": 8.085, "optimizer_ms": 1.371, "step_ms": 18.826, "ideal_ms": 13.445,
+                 "efficiency": 0.714, "overlap": 0.166, "steps": 7.0},
+        "per_rank": [{"data_wait_ms": 3.442, "forward_ms": 2.672, "backward_ms": 2.465, "comm_busy_ms": 9.934,
+                      "exposed_comm_ms": 8.861, "optimizer_ms": 1.448, "step_ms": 19.062, "ideal_ms": 14.054,
+                      "efficiency": 0.737, "overlap": 0.108, "steps": 7.0},
+                     {"data_wait_ms": 3.992, "forward_ms": 2.09, "backward_ms": 3.753, "comm_busy_ms": 9.453,
+                      "exposed_comm_ms": 7.309, "optimizer_ms": 1.293, "step_ms": 18.589, "ideal_ms": 12.836,
+                      "efficiency": 0.691, "overlap": 0.227, "steps": 7.0}],
+        "grad_sync": "overlap", "prefetch_depth": 2},
+    "two nodes, 1 process each": {
+        "mean": {"data_wait_ms": 1.249, "forward_ms": 2.244, "backward_ms": 2.996, "comm_busy_ms": 3.185,
+                 "exposed_comm_ms": 2.009, "optimizer_ms": 1.173, "step_ms": 9.789, "ideal_ms": 6.603,
+                 "efficiency": 0.674, "overlap": 0.369, "steps": 7.0},
+        "per_rank": [{"data_wait_ms": 1.256, "forward_ms": 2.219, "backward_ms": 3.173, "comm_busy_ms": 3.255,
+                      "exposed_comm_ms": 1.769, "optimizer_ms": 1.126, "step_ms": 9.651, "ideal_ms": 6.6,
+                      "efficiency": 0.684, "overlap": 0.457, "steps": 7.0},
+                     {"data_wait_ms": 1.241, "forward_ms": 2.27, "backward_ms": 2.819, "comm_busy_ms": 3.116,
+                      "exposed_comm_ms": 2.25, "optimizer_ms": 1.22, "step_ms": 9.928, "ideal_ms": 6.605,
+                      "efficiency": 0.665, "overlap": 0.278, "steps": 7.0}],
+        "grad_sync": "overlap", "prefetch_depth": 2},
+}
+
+PARTS = ("data_wait_ms", "forward_ms", "backward_ms", "exposed_comm_ms", "optimizer_ms")
+CHOICES = ("data_wait_ms", "exposed_comm_ms", "other")
+
+
+def _with(report: dict, **mean_changes) -> dict:
+    """A copy of ``report`` whose mean row has other times; step grows by what the parts grew."""
+    out = copy.deepcopy(report)
+    m = out["mean"]
+    grow = mean_changes.pop("other_ms", 0.0)
+    for key, value in mean_changes.items():
+        if key in PARTS:          # comm_busy_ms overlaps backward: it is not a part of the step's sum
+            grow += value - m[key]
+        m[key] = value
+    m["step_ms"] += grow
+    m["ideal_ms"] = m["forward_ms"] + max(m["backward_ms"], m["comm_busy_ms"]) + m["optimizer_ms"]
+    m["efficiency"] = m["ideal_ms"] / m["step_ms"]
+    return out
+
+
+def report_truth(report: dict) -> dict:
+    m = report["mean"]
+    other = m["step_ms"] - sum(m[k] for k in PARTS)
+    costs = {"data_wait_ms": m["data_wait_ms"], "exposed_comm_ms": m["exposed_comm_ms"], "other": other}
+    ranks = report.get("per_rank") or [m]
+    return {"efficiency": m["ideal_ms"] / m["step_ms"], "headroom_ms": m["step_ms"] - m["ideal_ms"],
+            "biggest": max(costs, key=costs.get),
+            "slowest_rank": max(range(len(ranks)), key=lambda i: ranks[i]["step_ms"])}
+
+
+def _cases(learner) -> list[tuple[str, dict]]:
+    a, b = RECORDED["one machine, 2 processes"], RECORDED["two nodes, 1 process each"]
+    swapped = copy.deepcopy(b)
+    swapped["per_rank"].reverse()
+    cases = [(name, r) for name, r in RECORDED.items()]
+    cases += [("a data-bound step", _with(a, data_wait_ms=15.0)),
+              ("a step whose communication is mostly hidden", _with(a, comm_busy_ms=5.0, exposed_comm_ms=2.0)),
+              ("a step with 12 ms outside every measured part", _with(b, other_ms=12.0)),
+              ("the two nodes with the ranks' rows swapped", swapped)]
+    live = learner.get("report")
+    if isinstance(live, dict) and live.get("mean") and live.get("per_rank"):
+        cases.append(("the report your launch produced", live))
+    return cases
+
+
+def _answers(learner, report) -> dict:
+    got = learner.read_report(copy.deepcopy(report))
+    if not isinstance(got, dict):
+        raise Wrong("read_report must return a dict with keys efficiency, headroom_ms, biggest, slowest_rank")
+    missing = [k for k in ("efficiency", "headroom_ms", "biggest", "slowest_rank") if k not in got]
+    if missing:
+        raise Wrong(f"read_report's dict lacks {missing}")
+    return got
+
+
+@read.case("efficiency and headroom come from the mean over ranks",
+           hint="m = report['mean']; efficiency = m['ideal_ms'] / m['step_ms']; headroom_ms = m['step_ms'] - m['ideal_ms']")
+def _(learner):
+    for name, report in _cases(learner):
+        got, want = _answers(learner, report), report_truth(report)
+        rank0 = {"mean": report["per_rank"][0], "per_rank": report["per_rank"]}
+        eff = float(got["efficiency"])
+        if math.isclose(eff, want["efficiency"], rel_tol=1e-3):
+            pass
+        elif math.isclose(eff, 1 / want["efficiency"], rel_tol=1e-3):
+            raise Wrong("you divided step by ceiling: efficiency = ideal_ms / step_ms (1.0 = at the ceiling)")
+        elif math.isclose(eff, report_truth(rank0)["efficiency"], rel_tol=1e-3):
+            raise Wrong("you read rank 0's row: report['mean'] is the mean over ranks, report['per_rank'][i] one rank")
+        else:
+            raise AssertionError(f"{name}: efficiency {eff:.3f}, the report says {want['efficiency']:.3f}")
+        head = float(got["headroom_ms"])
+        if math.isclose(head, -want["headroom_ms"], rel_tol=1e-3):
+            raise Wrong("headroom is step_ms - ideal_ms: what the step could still win, a positive number")
+        assert math.isclose(head, want["headroom_ms"], rel_tol=1e-3, abs_tol=1e-6), (
+            f"{name}: headroom {head:.3f} ms, the report gives {want['headroom_ms']:.3f} ms")
+    return f"{len(_cases(learner))} reports"
+
+
+@read.case("the biggest cost above the ceiling: data wait, exposed communication or the untracked rest",
+           hint="other = step_ms - (data_wait + forward + backward + exposed_comm + optimizer); pick the largest "
+                "of data_wait_ms, exposed_comm_ms, other")
+def _(learner):
+    for name, report in _cases(learner):
+        got, want = _answers(learner, report), report_truth(report)
+        b = got["biggest"]
+        if b == want["biggest"]:
+            continue
+        if b in ("forward_ms", "backward_ms", "optimizer_ms"):
+            raise Wrong(f"{b} is the work itself: it is inside the ceiling. Choose among what the ceiling leaves "
+                        "out: data_wait_ms, exposed_comm_ms, and 'other' (step time no part accounts for)")
+        busy = copy.deepcopy(report)
+        busy["mean"]["exposed_comm_ms"] = busy["mean"]["comm_busy_ms"]
+        if b == "comm_busy_ms" or (b == "exposed_comm_ms" and report_truth(busy)["biggest"] == b):
+            raise Wrong("comm_busy_ms is how long reductions ran, mostly hidden behind backward: only "
+                        "exposed_comm_ms costs step time")
+        if b not in CHOICES:
+            raise Wrong(f"biggest must be one of {CHOICES}, got {b!r}")
+        if want["biggest"] == "other":
+            raise Wrong(f"{name}: the parts add up to much less than step_ms; that gap ('other': Python and "
+                        "Trainer work between the measured phases) is the biggest cost here")
+        raise AssertionError(f"{name}: biggest is {want['biggest']!r}, you said {b!r}")
+
+
+@read.case("the slowest rank: the one every all-reduce waits for",
+           hint="the index i of report['per_rank'] with the largest step_ms")
+def _(learner):
+    for name, report in _cases(learner):
+        got, want = _answers(learner, report), report_truth(report)
+        if int(got["slowest_rank"]) != want["slowest_rank"]:
+            effs = [r["efficiency"] for r in report["per_rank"]]
+            if int(got["slowest_rank"]) == min(range(len(effs)), key=effs.__getitem__):
+                raise Wrong("you picked the least efficient rank: efficiency compares a rank with its own "
+                            "ceiling. The rank the others wait for is the one with the longest step_ms")
+            raise AssertionError(f"{name}: the slowest rank is {want['slowest_rank']}, you said {got['slowest_rank']}")
