@@ -205,7 +205,7 @@ def _code_of(obj: Any):
         for value in vars(obj).values():
             fn = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
             if inspect.isfunction(fn):
-                return fn.__code__
+                return inspect.unwrap(fn).__code__   # through @contextmanager: its code is contextlib's
     return None
 
 

@@ -71,9 +71,13 @@ def execute(path: Path, cell_timeout: float = 300.0, save_to: Path | None = None
     nb = nbformat.read(path, as_version=4)
     fd, sink = tempfile.mkstemp(prefix="course-results-", suffix=".jsonl")
     os.close(fd)
-    saved = {k: os.environ.get(k) for k in ("HFSTREAM_COURSE_RESULTS", "MPLBACKEND")}
+    saved = {k: os.environ.get(k) for k in ("HFSTREAM_COURSE_RESULTS", "MPLBACKEND", "OMP_NUM_THREADS")}
     os.environ["HFSTREAM_COURSE_RESULTS"] = sink
     os.environ["MPLBACKEND"] = "Agg"
+    # One compute thread in the kernel, as in every rank it spawns: on a small machine OpenMP
+    # threads of the kernel and of the ranks otherwise fight over the cores (measured 10-30x
+    # slower steps on 2 busy cores).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     start = time.perf_counter()
     try:
         client = NotebookClient(nb, timeout=cell_timeout, kernel_name="python3", allow_errors=True,

@@ -83,7 +83,8 @@ class StreamTrainingArguments(TrainingArguments):
     grad_comm_dtype: str | None = field(
         default=None,
         metadata={"help": "Dtype on the wire for gradient all-reduce: None = the gradient's own dtype, "
-                          "'bf16'/'fp16' = compress on the wire and average in fp32."},
+                          "'bf16'/'fp16' = compress on the wire: each rank divides by the world size in the "
+                          "gradient's precision, the sum runs in the wire dtype, the mean is cast back into .grad."},
     )
     comm_stream_priority: str = field(
         default="high",
