@@ -9,7 +9,7 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 TORCH_SPEC ?= $(if $(HAS_CUDA),torch,torch==2.13.0)
 STAMP  := $(VENV)/.hfstream-installed
 
-.PHONY: help venv demo test test-slow gpu-check gpu-check-here clean
+.PHONY: help venv demo test test-slow gpu-check gpu-check-here course course-grade clean
 
 help:
 	@echo "make demo       train the demo (2 CPU processes, or every GPU) and print the step report"
@@ -17,6 +17,8 @@ help:
 	@echo "make test-slow  the slow tests only (marked @pytest.mark.slow)"
 	@echo "make gpu-check  the GPU tests (marked @pytest.mark.gpu); skip cleanly without a GPU"
 	@echo "make gpu-check-here  the same with the machine's own python, no venv (a GPU box with torch installed)"
+	@echo "make course     install Jupyter, copy the lessons to course/work/ and say how to open them"
+	@echo "make course-grade  grade your notebooks in course/work/ (all lessons) and show your progress"
 
 venv: $(STAMP)
 
@@ -41,6 +43,15 @@ gpu-check: $(STAMP)
 
 gpu-check-here:
 	PYTHONPATH=. $(PYTHON) -m pytest -m gpu -v -p no:cacheprovider
+
+course: $(STAMP)
+	$(PY) -m pip install -q -e ".[dev,course]"
+	$(PY) -m course start
+	@echo "then: $(VENV)/bin/jupyter lab course/work    (lesson 00 first)"
+
+course-grade: $(STAMP)
+	-$(PY) -m course grade --all
+	$(PY) -m course progress
 
 clean:
 	rm -rf $(VENV) runs build *.egg-info
