@@ -1,0 +1,489 @@
+"""Lesson 06 checks: DDP's bucket plan, a bucketed overlapping sync, and the cap sweep.
+
+The plan is compared with hfstream's planner (``hfstream.gradsync.buckets.plan_buckets``, which
+follows DDP's ``_compute_bucket_assignment_by_size``); the usual wrong rules (forward order,
+``>`` for ``>=``, "close before it would overflow", elements for bytes, MB for MiB, a lost last
+bucket) are recomputed here so a mismatch can name the rule the learner used. The bucketed sync
+runs in 2 gloo processes under the `Recorder` of lesson 05, which counts the collectives and
+their order.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from course.checks.lesson05 import Recorder, _classify, _reference_grads, cached, run_ranks
+from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub, load_module
+
+MiB = 2**20
+
+
+# =============================================================================================
+# 06.plan_buckets
+# =============================================================================================
+plan_ex = Exercise("06.plan_buckets", uses=["plan_buckets"], title="DDP's bucket plan")
+
+
+def _rule(sizes: list[tuple[str, int]], cap: float, *, reverse=True, ge=True, overflow=False,
+          keep_last=True) -> list[list[str]]:
+    """A bucket planner over (name, bytes), with switches for the usual mistakes."""
+    items = list(reversed(sizes)) if reverse else list(sizes)
+    out, cur, size = [], [], 0
+    for name, nbytes in items:
+        if overflow and cur and size + nbytes > cap:   # "close before it would overflow"
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(name)
+        size += nbytes
+        if not overflow and (size >= cap if ge else size > cap):
+            out.append(cur)
+            cur, size = [], 0
+    if cur and keep_last:
+        out.append(cur)
+    return out
+
+
+# (name, shape) in registration order: an embedding, two blocks, a head. float32.
+SHAPES = [("embed.weight", (40, 16)), ("block0.weight", (16, 16)), ("block0.bias", (16,)),
+          ("block1.weight", (16, 16)), ("block1.bias", (16,)), ("head.weight", (8, 16)), ("head.bias", (8,))]
+# Bytes: embed 2560, block weights 1024, block biases 64, head.weight 512, head.bias 32.
+CAPS_MB = [0.0, math.inf, 608 / MiB, 1600 / MiB, 1000 / MiB, 3000 / MiB, 0.0006]
+# Reverse cumulative bytes: 32, 544, 608, 1632, ... so 608 B is reached exactly (>= vs >); 1600 B
+# overflows mid-bucket ("close before it would overflow" differs); 0.0006 MiB is 629 B but 600 B
+# as MB (MiB vs MB); counting elements instead of bytes differs at every finite cap.
+
+
+def _named(shapes=SHAPES) -> list[tuple[str, torch.Tensor]]:
+    return [(n, torch.zeros(s)) for n, s in shapes]
+
+
+def _truth(named, cap_mb) -> list[list[str]]:
+    from hfstream.gradsync.buckets import plan_buckets
+
+    return [list(b.names) for b in plan_buckets(named, cap_mb)]
+
+
+WRONG_RULES: list[tuple[str, Callable]] = [
+    ("you took the parameters in registration (forward) order. Backward produces the last layer's gradient "
+     "first, so DDP plans in *reverse* registration order: the first bucket is the one that fills first",
+     lambda s, cap: _rule(s, cap, reverse=False)),
+    ("a bucket closes once it *reaches* the cap (bytes >= cap), not only once it exceeds it: a bucket of "
+     "exactly the cap is full",
+     lambda s, cap: _rule(s, cap, ge=False)),
+    ("you closed a bucket before it would overflow the cap. DDP's rule is the other way round: add the "
+     "parameter, then close the bucket if it has reached the cap, so buckets hold at least the cap "
+     "(and a parameter larger than the cap is a bucket of its own)",
+     lambda s, cap: _rule(s, cap, overflow=True)),
+    ("the last bucket, the one that never reached the cap, is missing: append what is left after the loop",
+     lambda s, cap: _rule(s, cap, keep_last=False)),
+]
+
+
+def _sizes(named, unit: str = "bytes") -> list[tuple[str, int]]:
+    if unit == "numel":
+        return [(n, t.numel()) for n, t in named]
+    return [(n, t.numel() * t.element_size()) for n, t in named]
+
+
+def _normalise(plan: Any, where: str) -> list[list[str]]:
+    if not isinstance(plan, (list, tuple)) or not all(isinstance(b, (list, tuple)) for b in plan):
+        raise Wrong(f"plan_buckets({where}) returned {type(plan).__name__}: return a list of buckets, each a list "
+                    f"of parameter names")
+    if plan and all(isinstance(b, (list, tuple)) and len(b) == 2 and isinstance(b[1], torch.Tensor) for b in plan):
+        raise Wrong("return names, not (name, tensor) pairs: each bucket is a list of parameter names")
+    return [list(b) for b in plan]
+
+
+@plan_ex.case("parameters in reverse registration order; cap 0 = one per bucket; inf = one bucket",
+              hint="walk reversed(named_params); add each name; close the bucket once its bytes >= the cap")
+def _(learner):
+    named = _named()
+    for cap in (0.0, math.inf):
+        got = _normalise(learner.plan_buckets(named, cap), f"..., {cap}")
+        want = _truth(named, cap)
+        if got == want:
+            continue
+        flat = [n for b in got for n in b]
+        if sorted(flat) != sorted(n for n, _ in named):
+            dup = sorted({n for n in flat if flat.count(n) > 1})
+            if dup:
+                raise Wrong(f"{dup[0]} appears in {flat.count(dup[0])} buckets: a parameter is never split or "
+                            f"repeated; each name goes in exactly one bucket")
+            missing = [n for n, _ in named if n not in flat]
+            raise Wrong(f"at cap {cap} MiB the plan leaves out {missing[:3]}: every parameter must be in a bucket "
+                        f"(the last bucket, not full, too)")
+        if got == _rule(_sizes(named), cap * MiB, reverse=False):
+            raise Wrong(WRONG_RULES[0][0])
+        raise AssertionError(f"at cap {cap} MiB: got {got}, expected {want}")
+    return "7 parameters, caps 0 and inf"
+
+
+@plan_ex.case("a bucket closes once it reaches the cap (bytes, MiB), never splitting a parameter",
+              hint="bytes = p.numel() * p.element_size(); cap = bucket_mb * 2**20; close when bytes >= cap")
+def _(learner):
+    named = _named()
+    got = {cap: _normalise(learner.plan_buckets(named, cap), f"..., {cap:.6g}") for cap in CAPS_MB}
+    want = {cap: _truth(named, cap) for cap in CAPS_MB}
+    if got == want:
+        # A real model too: GPT-2's parameters at caps that cut it differently.
+        from course.lib import tiny_gpt2
+
+        gpt = list(tiny_gpt2(layers=2, width=64).named_parameters())
+        for cap in (1 / 64, 1 / 8):
+            mine = _normalise(learner.plan_buckets(gpt, cap), f"gpt2, {cap}")
+            assert mine == _truth(gpt, cap), f"on a GPT-2 at cap {cap} MiB the plan differs from DDP's rule"
+        return f"{len(CAPS_MB)} caps on a toy model, 2 on a GPT-2 ({len(gpt)} parameters)"
+    for cap in CAPS_MB:
+        flat = [n for b in got[cap] for n in b]
+        dup = sorted({n for n in flat if flat.count(n) > 1})
+        if dup:
+            raise Wrong(f"at cap {cap * MiB:.0f} B, {dup[0]} appears in more than one bucket: a parameter is "
+                        f"never split; it goes whole into the open bucket, which may then exceed the cap")
+    for hint, rule in WRONG_RULES:
+        if all(got[cap] == rule(_sizes(named), cap * MiB) for cap in CAPS_MB):
+            raise Wrong(hint)
+    if all(got[cap] == _rule(_sizes(named, "numel"), cap * MiB) for cap in CAPS_MB):
+        raise Wrong("you counted elements, not bytes: the cap is in MiB of gradient, so a parameter weighs "
+                    "p.numel() * p.element_size() bytes")
+    if all(got[cap] == _rule(_sizes(named), cap * 1e6) for cap in CAPS_MB):
+        raise Wrong("bucket_mb is in MiB (2**20 bytes, DDP's bucket_cap_mb), not MB (10**6 bytes)")
+    cap = next(c for c in CAPS_MB if got[c] != want[c])
+    raise AssertionError(f"at cap {cap * MiB:.0f} bytes: got {got[cap]}, expected {want[cap]}")
+
+
+# =============================================================================================
+# 06.bucketed_sync
+# =============================================================================================
+bucketed = Exercise("06.bucketed_sync", uses=["BucketedSync"], title="one flat all-reduce per bucket, overlapped")
+
+B_DIM, B_HIDDEN, B_LAYERS = 16, 24, 4
+
+
+def _plans(model) -> dict[str, list[list[str]]]:
+    """Two plans for the check: DDP's at a cap that makes 3 buckets, and the same in forward order
+    (its first bucket completes last, so launching in completion order would differ)."""
+    named = list(model.named_parameters())
+    ddp = _truth(named, 2000 / MiB)
+    return {"reverse": ddp, "forward": [list(reversed(b)) for b in reversed(ddp)]}
+
+
+def _bucketed_rank(rank: int, world_size: int, path: str) -> dict:
+    from course.lib import TinyMLP, random_regression
+
+    mod = load_module(path)
+    rec = Recorder()
+    facts = {}
+    with rec.installed():
+        for label in ("reverse", "forward"):
+            model = TinyMLP(dim=B_DIM, hidden=B_HIDDEN, layers=B_LAYERS, seed=0)
+            ref = TinyMLP(dim=B_DIM, hidden=B_HIDDEN, layers=B_LAYERS, seed=0)
+            plan = _plans(model)[label]
+            numel = dict((n, p.numel()) for n, p in model.named_parameters())
+            sync = mod.BucketedSync(model, plan)
+            rec.take()
+            opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+            steps = []
+            for step in range(2):
+                x, y = random_regression(n=8, dim=B_DIM, seed=10 * step + rank)
+                loss = F.mse_loss(model(x), y)
+                rec.in_backward = True
+                try:
+                    loss.backward()
+                    rec.in_backward = False
+                    sync.finish()
+                except Exception as exc:
+                    rec.in_backward = False
+                    calls = rec.take()
+                    steps.append({"numels": [c["numel"] for c in calls], "async": [c["async"] for c in calls],
+                                  "in_backward": sum(c["in_backward"] for c in calls),
+                                  "error": f"{type(exc).__name__}: {exc}".strip().splitlines()[0]})
+                    break
+                calls = rec.take()
+                got = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+                local, mean = _reference_grads(ref, F.mse_loss(ref(x), y), rec.real, world_size)
+                steps.append({"numels": [c["numel"] for c in calls], "async": [c["async"] for c in calls],
+                              "in_backward": sum(c["in_backward"] for c in calls),
+                              "result": _classify(got, mean, local, world_size)})
+                for p, m in zip(ref.parameters(), mean):
+                    p.grad = m.clone()
+                opt.step(); ref_opt.step()
+                opt.zero_grad(set_to_none=True); ref_opt.zero_grad(set_to_none=True)
+            facts[label] = {"buckets": [sum(numel[n] for n in b) for b in plan], "params": len(numel),
+                            "steps": steps}
+            if hasattr(sync, "close"):
+                sync.close()
+            if any("error" in s for s in steps):
+                break
+    return facts
+
+
+BUCKET_HINT = ("_launch(b): torch.cat the bucket's gradients (reshape(-1)) into one flat tensor and "
+               "dist.all_reduce(flat, async_op=True); _on_grad_ready: count down the bucket, then launch every "
+               "complete bucket at the head of the plan")
+UNFLATTEN_HINT = ("finish(): launch what is left, then for each bucket wait(), divide by the world size, and copy "
+                  "each slice of the flat tensor back into its parameter's .grad (view_as(p))")
+
+
+def _bucketed_facts(learner) -> dict:
+    return cached("06.bucketed_sync", learner, lambda path: run_ranks(_bucketed_rank, path, hint=BUCKET_HINT)[0])
+
+
+@bucketed.case("one asynchronous all-reduce per bucket, launched in plan order, the first during backward",
+               hint=BUCKET_HINT, timeout=150)
+def _(learner):
+    facts = _bucketed_facts(learner)
+    for label, f in facts.items():
+        want, nparams = f["buckets"], f["params"]
+        for i, st in enumerate(f["steps"], 1):
+            got = st["numels"]
+            if got and not all(st["async"]):
+                raise Wrong("an all-reduce without async_op=True blocks until it is done, so nothing overlaps: "
+                            "launch each bucket with async_op=True and wait in finish()")
+            if "error" in st and not got:
+                raise Wrong(f"your code raised {st['error']} before any all-reduce. Hint: {BUCKET_HINT}")
+            if len(got) == nparams and len(want) != nparams:
+                raise Wrong(f"{len(got)} all-reduces for {nparams} parameters in {len(want)} buckets: one per "
+                            f"parameter, not per bucket. Flatten each bucket (torch.cat of g.reshape(-1)) and "
+                            f"reduce the flat tensor once")
+            if len(got) > len(want):
+                raise Wrong(f"step {i}: {len(got)} all-reduces for {len(want)} buckets: each bucket is launched "
+                            f"once per step (advance self.next; reset it in finish())")
+            if not got and i == 2:
+                raise Wrong("step 2 launched nothing: reset self.next and self.pending at the end of finish()")
+            if sorted(got) == sorted(want) and got != want:
+                raise Wrong(f"the buckets went out in the order they completed ({got} elements), not in plan order "
+                            f"({want}). Every rank must launch the same collectives in the same order: a bucket "
+                            f"that is complete early waits until every bucket before it in the plan is launched")
+            if "error" in st:
+                raise Wrong(f"step {i}: your code raised {st['error']}. Hint: {UNFLATTEN_HINT}")
+            if got != want:
+                raise AssertionError(f"plan {label}, step {i}: all-reduces of {got} elements; the plan's buckets "
+                                     f"hold {want}")
+    first = facts["reverse"]["steps"][0]
+    if first["in_backward"] == 0:
+        raise Wrong("you launched every bucket after backward: nothing overlaps. Launch a bucket from the hook "
+                    "of its last gradient (when its pending count reaches 0)")
+    return (f"{len(facts['reverse']['buckets'])} buckets -> {len(first['numels'])} all-reduces, "
+            f"{first['in_backward']} during backward")
+
+
+@bucketed.case("after finish() every .grad is the mean over 2 gloo ranks (2 plans, 2 steps each)",
+               hint=UNFLATTEN_HINT, timeout=150)
+def _(learner):
+    facts = _bucketed_facts(learner)
+    for label, f in facts.items():
+        for i, st in enumerate(f["steps"], 1):
+            if "error" in st:
+                raise Wrong(f"your code raised {st['error']}. Hint: {UNFLATTEN_HINT}")
+            r = st["result"]
+            if r == "mean":
+                continue
+            if r == "local":
+                raise Wrong("the gradients are still this rank's own: the mean lives in the flat tensor you "
+                            "reduced. After wait(), copy each slice back into its parameter's .grad")
+            if r == "sum":
+                raise Wrong("the gradients are the sum over ranks: divide the flat tensor by the world size")
+            if r == "twice":
+                raise Wrong("the gradients were divided by the world size twice")
+            if r == "missing":
+                raise Wrong("a .grad is None after finish(): write the mean back into every parameter's .grad")
+            raise AssertionError(f"plan {label}, step {i}: the gradients differ from the mean over ranks (are the "
+                                 f"slices copied back to the right parameters, in the order they were packed?)")
+    return "parity with the serial all-reduce"
+
+
+# =============================================================================================
+# The sweep: step time against the bucket cap, on a link with latency and bandwidth
+# =============================================================================================
+SWEEP_CAPS = (0.0, 1 / 8, 1 / 2, 1.0, 25.0)
+DDP_DEFAULT = "DDP default"
+
+
+def _sweep_step(model, ids, opt, rec, sync, world_size) -> dict:
+    rec.take()
+    t0 = time.perf_counter()
+    loss = model(input_ids=ids, labels=ids).loss
+    t1 = time.perf_counter()
+    rec.in_backward = True
+    loss.backward()
+    rec.in_backward = False
+    t2 = time.perf_counter()
+    sync.finish()
+    t3 = time.perf_counter()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t4 = time.perf_counter()
+    calls = rec.take()
+    from hfstream.gradsync.sync import union_length
+
+    return {"forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3, "exposed_comm_ms": (t3 - t2) * 1e3,
+            "optimizer_ms": (t4 - t3) * 1e3, "step_ms": (t4 - t0) * 1e3,
+            "comm_busy_ms": union_length([(c["launch"], c["done"] or t3) for c in calls]) * 1e3,
+            "collectives": len(calls), "launched_in_backward": sum(c["in_backward"] for c in calls)}
+
+
+def _sweep_rank(rank: int, world_size: int, path: str | None, plans: dict | None, caps: list,
+                steps: int, bandwidth_ratio: float, latency_ratio: float) -> dict:
+    import transformers
+
+    from course.lib import tiny_gpt2
+    from hfstream.gradsync import GradSync
+    from hfstream.netshape import SimulatedLink, ring_allreduce_bytes
+
+    transformers.logging.set_verbosity_error()
+    gen = torch.Generator().manual_seed(100 + rank)
+    ids = torch.randint(0, 257, (8, 64), generator=gen)
+    probe = tiny_gpt2(layers=4, width=128)
+    bwd = []
+    for _ in range(8):
+        loss = probe(input_ids=ids, labels=ids).loss
+        t = time.perf_counter()
+        loss.backward()
+        bwd.append(time.perf_counter() - t)
+        probe.zero_grad(set_to_none=True)
+    agreed = torch.tensor([min(bwd[2:])])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    bwd_s = agreed.item()
+    named = list(probe.named_parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for _, p in named)
+    # The link: all gradients in one transfer take bandwidth_ratio x backward; one collective per
+    # parameter pays latency_ratio x backward in fixed costs.
+    rate_mbit = ring_allreduce_bytes(grad_bytes, world_size) * 8 / (bandwidth_ratio * bwd_s) / 1e6
+    latency_ms = latency_ratio * bwd_s * 1e3 / len(named)
+    link = SimulatedLink(rate_mbit=rate_mbit, latency_ms=latency_ms)
+    rec = Recorder()
+    sessions = []
+    with link.installed(), rec.installed():
+        mod = load_module(path) if path else None
+        for label in caps:
+            model = tiny_gpt2(layers=4, width=128)
+            if mod is not None:
+                sync = mod.BucketedSync(model, plans[str(label)])
+            elif label == DDP_DEFAULT:
+                sync = GradSync(model, bucket_mb=25.0, first_bucket_mb=1.0)
+            else:
+                sync = GradSync(model, bucket_mb=float(label))
+            sessions.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3), sync, []))
+        rec.take()
+        for i in range(steps + 1):            # round-robin: a slow moment of the machine hits every cap
+            for label, model, opt, sync, records in sessions:
+                dist.barrier()
+                parts = _sweep_step(model, ids, opt, rec, sync, world_size)
+                if i:
+                    records.append(parts)
+        for _, _, _, sync, _ in sessions:
+            if hasattr(sync, "close"):
+                sync.close()
+    return {"records": {str(label): records for label, _, _, _, records in sessions},
+            "rate_mbit": rate_mbit, "latency_ms": latency_ms, "backward_ms": bwd_s * 1e3,
+            "params": len(named), "grad_mib": grad_bytes / MiB}
+
+
+def measure_sweep(namespace: dict, caps=SWEEP_CAPS, steps: int = 4, bandwidth_ratio: float = 1.0,
+                  latency_ratio: float = 1.0) -> dict:
+    """Step time of a tiny GPT-2 on 2 gloo ranks for each bucket cap, plus DDP's default plan.
+
+    Uses the notebook's `plan_buckets` and `BucketedSync` once they are written (else hfstream's
+    planner and ``GradSync``). Returns, per cap (a string; ``"DDP default"`` for 25 MiB with a
+    1 MiB first bucket), the median parts of a step, its ceiling and the number of buckets.
+    """
+    from course.lib import tiny_gpt2
+    from hfstream.gradsync.buckets import plan_buckets as library_plan
+    from hfstream.testing import run_on_ranks
+
+    labels = [*caps, DDP_DEFAULT]
+    named = list(tiny_gpt2(layers=4, width=128).named_parameters())
+    planner = namespace.get("plan_buckets")
+    mine_plan = planner is not None and not is_stub(planner)
+    cls = namespace.get("BucketedSync")
+    path, plans = None, None
+    if cls is not None and not is_stub(cls):
+        path = Learner(namespace, get_exercise("06.bucketed_sync")).module_file()
+        plans = {}
+        for label in labels:
+            if label == DDP_DEFAULT:
+                plans[label] = [list(b.names) for b in library_plan(named, 25.0, first_bucket_mb=1.0)]
+            elif mine_plan:
+                plans[str(label)] = [list(b) for b in planner(named, label)]
+            else:
+                plans[str(label)] = [list(b.names) for b in library_plan(named, label)]
+    who = ("your BucketedSync" if path else "hfstream's GradSync (BucketedSync is not written yet)") + \
+          (" with your plan_buckets" if path and mine_plan else " with hfstream's planner")
+    out = run_on_ranks(_sweep_rank, 2, path, plans, labels, steps, bandwidth_ratio, latency_ratio,
+                       timeout=150, pg_timeout_s=60)
+    result = {}
+    for label in labels:
+        key = str(label)
+        per_step = []
+        for s in range(steps):
+            rows = [r["records"][key][s] for r in out]
+            row = {k: statistics.fmean(x[k] for x in rows) for k in rows[0]}
+            row["step_ms"] = max(x["step_ms"] for x in rows)
+            per_step.append(row)
+        med = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
+        med["ceiling_ms"] = statistics.median(
+            s["forward_ms"] + max(s["backward_ms"], s["comm_busy_ms"]) + s["optimizer_ms"] for s in per_step)
+        if label == DDP_DEFAULT:
+            med["buckets"] = len(library_plan(named, 25.0, first_bucket_mb=1.0))
+        else:
+            med["buckets"] = len(plans[key]) if plans else len(library_plan(named, label))
+        result[key] = med
+    return {"who": who, "by_cap": result, "labels": [str(x) for x in labels], "rate_mbit": out[0]["rate_mbit"],
+            "latency_ms": out[0]["latency_ms"], "backward_ms": out[0]["backward_ms"], "params": out[0]["params"],
+            "grad_mib": out[0]["grad_mib"]}
+
+
+def _cap_label(label: str) -> str:
+    if label == DDP_DEFAULT:
+        return "25\n(first 1)"
+    v = float(label)
+    if v == 0:
+        return "0\n(per param)"
+    if v < 1:
+        return f"1/{round(1 / v)}"
+    return f"{v:g}"
+
+
+def sweep_figure(sweep: dict, path) -> Any:
+    """Step time and ceiling against the bucket cap; DDP's default marked, the best cap labelled."""
+    from pathlib import Path
+
+    from matplotlib.figure import Figure
+
+    by = sweep["by_cap"]
+    caps = [lb for lb in sweep["labels"] if lb != DDP_DEFAULT]
+    xs = list(range(len(caps)))
+    fig = Figure(figsize=(7.0, 3.8))
+    ax = fig.subplots()
+    ax.plot(xs, [by[c]["step_ms"] for c in caps], marker="o", color="#4c72b0", label="measured step")
+    ax.plot(xs, [by[c]["ceiling_ms"] for c in caps], linestyle="--", color="#55a868",
+            label="ceiling: fwd + max(bwd, comm busy) + opt")
+    for x, c in zip(xs, caps):
+        ax.annotate(f"{by[c]['buckets']:.0f}", (x, by[c]["step_ms"]), textcoords="offset points", xytext=(0, 6),
+                    ha="center", fontsize=7, color="#4c72b0")
+    ddp = by[DDP_DEFAULT]
+    x_ddp = caps.index("25.0") if "25.0" in caps else len(caps) - 1
+    ax.plot([x_ddp], [ddp["step_ms"]], marker="*", markersize=14, color="#c44e52", linestyle="none",
+            label=f"DDP default: 25 MiB, first bucket 1 MiB ({ddp['buckets']:.0f} buckets)")
+    best = min(caps, key=lambda c: by[c]["step_ms"])
+    ax.axhline(by[best]["step_ms"], color="#999999", linewidth=0.8, linestyle=":")
+    ax.annotate(f"best: {by[best]['step_ms']:.0f} ms", (caps.index(best), by[best]["step_ms"]),
+                textcoords="offset points", xytext=(0, -16), ha="center", fontsize=8,
+                bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.85, "pad": 1})
+    ax.set_xticks(xs, [_cap_label(c) for c in caps], fontsize=8)
+    ax.set_xlabel("bucket cap (MiB); number above a point = buckets")
+    ax.set_ylabel("ms per step (2 ranks)")
+    ax.set_title(f"bucket cap sweep: tiny GPT-2, {sweep['grad_mib']:.1f} MiB of gradients, link "
+                 f"{sweep['rate_mbit']:.0f} Mbit/s + {sweep['latency_ms']:.2f} ms per collective", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return Path(path)

@@ -1,0 +1,178 @@
+"""Lesson 05's checks name the learner's mistake: reducing after backward, a blocking all-reduce
+in the hook, a sum instead of a mean, launch orders that differ between ranks, unused
+parameters never reduced; and the right answers pass."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from course.grading import LEARNER_PREAMBLE, check, run_cell
+
+
+@pytest.fixture(autouse=True)
+def _progress_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFSTREAM_COURSE_PROGRESS", str(tmp_path / "progress.json"))
+
+
+def _ns(source: str) -> dict:
+    return run_cell(LEARNER_PREAMBLE + textwrap.dedent(source))
+
+
+def _messages(exercise: str, source: str) -> list[str]:
+    results = check(exercise, namespace=_ns(source), quiet=True)
+    return [r.message for r in results if not r.passed]
+
+
+OVERLAP_RIGHT = """
+class OverlapSync:
+    def __init__(self, model):
+        self.world_size = dist.get_world_size()
+        self.works = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                        for p in model.parameters() if p.requires_grad]
+
+    def _on_grad_ready(self, param):
+        self.works.append((param, dist.all_reduce(param.grad, async_op=True)))
+
+    def finish(self):
+        for param, work in self.works:
+            work.wait()
+            param.grad.div_(self.world_size)
+        self.works = []
+"""
+
+
+def test_overlap_hook_right_answer_passes():
+    assert _messages("05.overlap_hook", OVERLAP_RIGHT) == []
+
+
+def test_reducing_after_backward_is_named():
+    wrong = """
+    class OverlapSync:
+        def __init__(self, model):
+            self.world_size = dist.get_world_size()
+            self.params = list(model.parameters())
+
+        def finish(self):
+            for p in self.params:
+                dist.all_reduce(p.grad, async_op=True).wait()
+                p.grad.div_(self.world_size)
+    """
+    messages = _messages("05.overlap_hook", wrong)
+    assert "you reduced after backward" in messages[0], messages
+    assert "register a hook per parameter" in messages[0].lower(), messages
+
+
+def test_blocking_all_reduce_in_the_hook_is_named():
+    wrong = OVERLAP_RIGHT.replace("dist.all_reduce(param.grad, async_op=True)", "dist.all_reduce(param.grad)")
+    messages = _messages("05.overlap_hook", wrong)
+    assert "async_op=True" in messages[0] and "returns None, not a Work" in messages[0], messages
+
+
+def test_a_sum_instead_of_a_mean_is_named():
+    wrong = OVERLAP_RIGHT.replace("param.grad.div_(self.world_size)", "pass")
+    messages = _messages("05.overlap_hook", wrong)
+    assert len(messages) == 1 and "sum over ranks, not the mean" in messages[0], messages
+
+
+ORDERED_HEAD = """
+import functools
+
+class OrderedOverlapSync:
+    def __init__(self, model):
+        self.world_size = dist.get_world_size()
+        self.order = [p for p in model.parameters() if p.requires_grad][::-1]
+        self.ready = [False] * len(self.order)
+        self.next = 0
+        self.works = []
+        self.handles = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i))
+                        for i, p in enumerate(self.order)]
+
+    def _launch(self, i):
+        p = self.order[i]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        self.works.append((p, dist.all_reduce(p.grad, async_op=True)))
+"""
+
+ORDERED_RIGHT = ORDERED_HEAD + """
+    def _on_grad_ready(self, i, param):
+        self.ready[i] = True
+        while self.next < len(self.order) and self.ready[self.next]:
+            self._launch(self.next)
+            self.next += 1
+
+    def finish(self):
+        while self.next < len(self.order):
+            self._launch(self.next)
+            self.next += 1
+        for p, work in self.works:
+            work.wait()
+            p.grad.div_(self.world_size)
+        self.works, self.next = [], 0
+        self.ready = [False] * len(self.order)
+"""
+
+
+def test_ordered_right_answer_passes():
+    assert _messages("05.finish", ORDERED_RIGHT) == []
+
+
+def test_launching_in_hook_order_then_the_rest_is_a_different_order_per_rank():
+    # Launch each parameter from its own hook, the unused ones in finish(): rank 1 (which skips
+    # `expert`) sends it last, rank 0 during backward -> mismatched collectives.
+    wrong = ORDERED_HEAD + """
+    def _on_grad_ready(self, i, param):
+        self.ready[i] = True
+        self._launch(i)
+
+    def finish(self):
+        for i in range(len(self.order)):
+            if not self.ready[i]:
+                self._launch(i)
+        for p, work in self.works:
+            work.wait()
+            p.grad.div_(self.world_size)
+        self.works = []
+        self.ready = [False] * len(self.order)
+"""
+    messages = _messages("05.finish", wrong)
+    assert len(messages) == 2, messages
+    assert "different orders" in messages[0] and "expert" in messages[0], messages
+    assert "would hang" in messages[1], messages     # the real ranks are not started
+
+
+def test_never_reducing_unused_parameters_is_named():
+    wrong = ORDERED_HEAD + """
+    def _on_grad_ready(self, i, param):
+        self.ready[i] = True
+        while self.next < len(self.order) and self.ready[self.next]:
+            self._launch(self.next)
+            self.next += 1
+
+    def finish(self):
+        for p, work in self.works:
+            work.wait()
+            p.grad.div_(self.world_size)
+        self.works, self.next = [], 0
+        self.ready = [False] * len(self.order)
+"""
+    messages = _messages("05.finish", wrong)
+    assert "was never reduced" in messages[0] and "waits forever" in messages[0], messages
+
+
+def test_forgetting_to_reset_between_steps_is_named():
+    wrong = ORDERED_RIGHT.replace("        self.works, self.next = [], 0\n        self.ready = [False] * len(self.order)\n",
+                                  "        self.works = []\n")
+    messages = _messages("05.finish", wrong)
+    assert "step 2 launched nothing" in messages[0], messages
+
+
+def test_not_clearing_the_works_between_steps_is_named():
+    wrong = OVERLAP_RIGHT.replace("            param.grad.div_(self.world_size)\n        self.works = []\n",
+                                  "            param.grad.div_(self.world_size)\n")
+    assert wrong != OVERLAP_RIGHT
+    messages = _messages("05.overlap_hook", wrong)
+    assert any("clear the list" in m for m in messages), messages

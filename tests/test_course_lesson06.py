@@ -1,0 +1,182 @@
+"""Lesson 06's checks name the learner's mistake: a plan in forward order, `>` for `>=`, closing a
+bucket before it would overflow, elements for bytes; a bucketed sync that reduces per parameter,
+forgets to copy the mean back, or launches buckets in completion order; and the right answers pass."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from course.grading import LEARNER_PREAMBLE, check, run_cell
+
+
+@pytest.fixture(autouse=True)
+def _progress_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFSTREAM_COURSE_PROGRESS", str(tmp_path / "progress.json"))
+
+
+def _messages(exercise: str, source: str) -> list[str]:
+    ns = run_cell(LEARNER_PREAMBLE + textwrap.dedent(source))
+    return [r.message for r in check(exercise, namespace=ns, quiet=True) if not r.passed]
+
+
+PLAN_RIGHT = """
+def plan_buckets(named_params, bucket_mb):
+    cap = bucket_mb * 2**20
+    buckets, current, size = [], [], 0
+    for name, p in reversed(list(named_params)):
+        current.append(name)
+        size += p.numel() * p.element_size()
+        if size >= cap:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+"""
+
+
+def test_plan_right_answer_passes():
+    assert _messages("06.plan_buckets", PLAN_RIGHT) == []
+
+
+@pytest.mark.parametrize("change, expected", [
+    (("reversed(list(named_params))", "list(named_params)"), "reverse* registration order"),
+    (("if size >= cap:", "if size > cap:"), "once it *reaches* the cap"),
+    (("size += p.numel() * p.element_size()", "size += p.numel()"), "counted elements, not bytes"),
+    (("cap = bucket_mb * 2**20", "cap = bucket_mb * 1e6"), "MiB (2**20 bytes"),
+    (("    if current:\n        buckets.append(current)\n", ""), "last bucket"),
+])
+def test_plan_mistakes_are_named(change, expected):
+    old, new = change
+    assert old in PLAN_RIGHT
+    messages = _messages("06.plan_buckets", PLAN_RIGHT.replace(old, new))
+    assert messages and any(expected in m for m in messages), messages
+
+
+def test_closing_before_overflow_is_named():
+    wrong = """
+    def plan_buckets(named_params, bucket_mb):
+        cap = bucket_mb * 2**20
+        buckets, current, size = [], [], 0
+        for name, p in reversed(list(named_params)):
+            nbytes = p.numel() * p.element_size()
+            if current and size + nbytes > cap:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(name)
+            size += nbytes
+        if current:
+            buckets.append(current)
+        return buckets
+    """
+    messages = _messages("06.plan_buckets", wrong)
+    assert len(messages) == 1 and "before it would overflow" in messages[0], messages
+
+
+SYNC_HEAD = """
+class BucketedSync:
+    def __init__(self, model, buckets):
+        self.world_size = dist.get_world_size()
+        params = dict(model.named_parameters())
+        self.buckets = [[params[name] for name in names] for names in buckets]
+        self.bucket_of = {p: b for b, members in enumerate(self.buckets) for p in members}
+        self.pending = [len(m) for m in self.buckets]
+        self.next = 0
+        self.inflight = []
+        self.handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                        for members in self.buckets for p in members]
+"""
+
+LAUNCH = """
+    def _launch(self, b):
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.inflight.append((b, flat, dist.all_reduce(flat, async_op=True)))
+"""
+
+ON_READY = """
+    def _on_grad_ready(self, param):
+        self.pending[self.bucket_of[param]] -= 1
+        while self.next < len(self.buckets) and self.pending[self.next] == 0:
+            self._launch(self.next)
+            self.next += 1
+"""
+
+FINISH = """
+    def finish(self):
+        while self.next < len(self.buckets):
+            self._launch(self.next)
+            self.next += 1
+        for b, flat, work in self.inflight:
+            work.wait()
+            flat.div_(self.world_size)
+            offset = 0
+            for p in self.buckets[b]:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.inflight, self.next = [], 0
+        self.pending = [len(m) for m in self.buckets]
+"""
+
+
+def test_bucketed_right_answer_passes():
+    assert _messages("06.bucketed_sync", SYNC_HEAD + LAUNCH + ON_READY + FINISH) == []
+
+
+def test_one_all_reduce_per_parameter_is_named():
+    per_param = """
+    def _launch(self, b):
+        for p in self.buckets[b]:
+            self.inflight.append((p, dist.all_reduce(p.grad, async_op=True)))
+
+    def finish(self):
+        while self.next < len(self.buckets):
+            self._launch(self.next)
+            self.next += 1
+        for p, work in self.inflight:
+            work.wait()
+            p.grad.div_(self.world_size)
+        self.inflight, self.next = [], 0
+        self.pending = [len(m) for m in self.buckets]
+"""
+    messages = _messages("06.bucketed_sync", SYNC_HEAD + textwrap.indent(textwrap.dedent(per_param), "    ") + ON_READY)
+    assert "one per parameter, not per bucket" in messages[0], messages
+
+
+def test_forgetting_to_unflatten_is_named():
+    no_copy = FINISH.replace("                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))\n", "")
+    messages = _messages("06.bucketed_sync", SYNC_HEAD + LAUNCH + ON_READY + no_copy)
+    assert len(messages) == 1 and "copy each slice back" in messages[0], messages
+
+
+def test_launching_in_completion_order_is_named():
+    completion = """
+    def _on_grad_ready(self, param):
+        b = self.bucket_of[param]
+        self.pending[b] -= 1
+        if self.pending[b] == 0:
+            self._launch(b)
+            self.launched.add(b)
+
+    def finish(self):
+        for b in range(len(self.buckets)):
+            if b not in self.launched:
+                self._launch(b)
+        self.launched = set()
+        for b, flat, work in self.inflight:
+            work.wait()
+            flat.div_(self.world_size)
+            offset = 0
+            for p in self.buckets[b]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        self.inflight = []
+        self.pending = [len(m) for m in self.buckets]
+"""
+    head = SYNC_HEAD.replace("        self.inflight = []\n", "        self.inflight = []\n        self.launched = set()\n")
+    messages = _messages("06.bucketed_sync", head + LAUNCH + textwrap.indent(textwrap.dedent(completion), "    "))
+    assert "not in plan order" in messages[0], messages
