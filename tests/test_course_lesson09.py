@@ -1,0 +1,226 @@
+"""Lesson 09's checks: each diagnosed mistake gets its hint, the right answers pass, and the final
+challenge grades a measured run (its diagnosis tested on canned measurements, one real lab run)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from course.checks import lesson09
+from course.grading import check, run_cell
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _progress_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFSTREAM_COURSE_PROGRESS", str(tmp_path / "progress.json"))
+
+
+RING = """
+def ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us):
+    if world_size <= 1:
+        return 0.0
+    n = world_size
+    return {bandwidth} + {latency}
+"""
+RIGHT_BW = "2 * (n - 1) / n * nbytes / (link_gbs * 1e9) * 1e3"
+RIGHT_LAT = "2 * (n - 1) * latency_us * 1e-3"
+STEP = """
+def predict_step(world_size, forward_ms, backward_ms, optimizer_ms, bucket_bytes, link_gbs, latency_us):
+    busy = {busy}
+    return {{"comm_busy_ms": busy, "step_serial_ms": forward_ms + backward_ms + busy + optimizer_ms,
+            "ideal_ms": {ideal}}}
+"""
+RIGHT_BUSY = "sum(ring_allreduce_ms(b, world_size, link_gbs, latency_us) for b in bucket_bytes)"
+RIGHT_IDEAL = "forward_ms + max(backward_ms, busy) + optimizer_ms"
+
+
+def scaling(bandwidth=RIGHT_BW, latency=RIGHT_LAT, busy=RIGHT_BUSY, ideal=RIGHT_IDEAL):
+    ns = run_cell(RING.format(bandwidth=bandwidth, latency=latency) + STEP.format(busy=busy, ideal=ideal))
+    return check("09.scaling", namespace=ns, quiet=True)
+
+
+@pytest.mark.parametrize("bandwidth, latency, words", [
+    ("nbytes / (link_gbs * 1e9) * 1e3", RIGHT_LAT, "ring factor 2(N-1)/N"),
+    ("2 * nbytes / (link_gbs * 1e9) * 1e3", RIGHT_LAT, "not 2: with N = 2"),
+    (RIGHT_BW, "0.0", "add the latency terms"),
+    (RIGHT_BW, "latency_us * 1e-3", "2(N-1) of them"),
+    (RIGHT_BW, "2 * (n - 1) * latency_us", "microseconds"),
+    ("2 * (n - 1) / n * nbytes / (link_gbs * 1e9 / 8) * 1e3", RIGHT_LAT, "do not divide by 8"),
+])
+def test_ring_allreduce_mistakes_get_their_hint(bandwidth, latency, words):
+    results = scaling(bandwidth=bandwidth, latency=latency)
+    assert not results[0].passed
+    assert words in results[0].message, results[0].message
+
+
+def test_one_allreduce_for_the_whole_model_is_caught():
+    results = scaling(busy="ring_allreduce_ms(sum(bucket_bytes), world_size, link_gbs, latency_us)")
+    assert results[0].passed and not results[1].passed
+    assert "each is its own all-reduce" in results[1].message
+
+
+@pytest.mark.parametrize("ideal, words", [
+    ("forward_ms + backward_ms + optimizer_ms", "the link, not compute, sets the ceiling"),
+    ("forward_ms + backward_ms + busy + optimizer_ms", "that is the serial step"),
+])
+def test_a_ceiling_that_ignores_the_link_is_caught(ideal, words):
+    results = scaling(ideal=ideal)
+    assert not results[1].passed and words in results[1].message, results[1].message
+
+
+def test_the_planner_formula_passes_with_a_detail():
+    results = scaling()
+    assert all(r.passed for r in results), [r.message for r in results]
+    assert "N=1024" in results[1].message
+
+
+# --------------------------------------------------------------------------- 09.crossover
+CROSS = RING.format(bandwidth=RIGHT_BW, latency=RIGHT_LAT) + """
+def _busy(n, bucket_bytes, link_gbs, latency_us):
+    return sum(ring_allreduce_ms(b, n, link_gbs, latency_us) for b in bucket_bytes)
+
+def crossover_world_size(backward_ms, bucket_bytes, link_gbs, latency_us, max_world_size=2**40):
+{crossover}
+
+def min_link_gbs(world_size, backward_ms, bucket_bytes, latency_us):
+{min_link}
+"""
+RIGHT_CROSS = """
+    if _busy(max_world_size, bucket_bytes, link_gbs, latency_us) <= backward_ms:
+        return None
+    lo, hi = 1, max_world_size
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _busy(mid, bucket_bytes, link_gbs, latency_us) <= backward_ms else (lo, mid)
+    return hi {adjust}
+"""
+RIGHT_MIN = """
+    n = world_size
+    if n <= 1:
+        return 0.0
+    left = backward_ms - {latency}
+    if left <= 0:
+        return math.inf
+    return 2 * (n - 1) / n * sum(bucket_bytes) / (left / 1e3) / 1e9
+"""
+LAT_ALL = "2 * (n - 1) * latency_us * 1e-3 * len(bucket_bytes)"
+POWERS = """
+    n = 2
+    while n <= max_world_size:
+        if _busy(n, bucket_bytes, link_gbs, latency_us) > backward_ms:
+            return n
+        n *= 2
+    return None
+"""
+NO_LATENCY = """
+    if 2 * sum(bucket_bytes) / (link_gbs * 1e9) * 1e3 <= backward_ms:
+        return None
+""" + RIGHT_CROSS.format(adjust="")
+
+
+def crossover(cross=RIGHT_CROSS.format(adjust=""), min_link=RIGHT_MIN.format(latency=LAT_ALL)):
+    ns = run_cell("import math\n" + CROSS.format(crossover=textwrap.indent(textwrap.dedent(cross), "    "),
+                                                   min_link=textwrap.indent(textwrap.dedent(min_link), "    ")))
+    return check("09.crossover", namespace=ns, quiet=True)
+
+
+@pytest.mark.parametrize("cross, words", [
+    (RIGHT_CROSS.format(adjust="- 1"), "the last N where overlap is still complete"),
+    (POWERS, "a power of two"),
+    (NO_LATENCY, "latency terms grow without bound"),
+])
+def test_crossover_mistakes_get_their_hint(cross, words):
+    results = crossover(cross=cross)
+    assert not results[0].passed and words in results[0].message, results[0].message
+
+
+def test_min_link_without_latency_is_caught():
+    results = crossover(min_link=RIGHT_MIN.format(latency="0.0"))
+    assert results[0].passed and not results[1].passed
+    assert "left out the latency" in results[1].message, results[1].message
+
+
+def test_the_right_crossover_and_bandwidth_pass():
+    results = crossover()
+    assert all(r.passed for r in results), [r.message for r in results]
+    assert "687" in results[0].message and "None" in results[0].message
+
+
+# --------------------------------------------------------------------------- 09.final_challenge
+def challenge(config_source: str):
+    ns = run_cell(f"def final_run_config():\n    return {config_source}\n")
+    return check("09.final_challenge", namespace=ns, quiet=True)
+
+
+@pytest.mark.parametrize("config, words", [
+    ('{"grad_sync": "overlap", "bucket_mb": "auto", "prefetch_depth": 2}', "choose the cap yourself"),
+    ('{"grad_sync": "overlap", "bucket_mb": 0.125}', "missing: ['prefetch_depth']"),
+    ('{"grad_sync": "native", "bucket_mb": 0.125, "prefetch_depth": 2}', "'serial' and 'overlap'"),
+])
+def test_a_config_the_lab_cannot_run_is_refused_before_measuring(config, words, monkeypatch):
+    monkeypatch.setattr(lesson09, "run_lab", lambda *a, **k: pytest.fail("measured an invalid config"))
+    results = challenge(config)
+    assert not results[0].passed and words in results[0].message, results[0].message
+
+
+def _canned(efficiency, config, buckets=4, data=0.0, busy=30.0, backward=40.0, exposed=10.0):
+    run = {"efficiency": efficiency, "efficiency_all": [efficiency] * 7, "config": config, "buckets": buckets, "data_wait_ms": data, "step_ms": 100.0,
+           "ceiling_ms": 100.0 * efficiency, "comm_busy_ms": busy, "backward_ms": backward,
+           "exposed_comm_ms": exposed}
+    return {"grad_bytes": 2**19, "runs": {"yours": run}}
+
+
+@pytest.mark.parametrize("config, canned, words", [
+    ({"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 0}, {"efficiency": 0.46, "data": 40.0},
+     "prefetch_depth >= 1"),
+    ({"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 2}, {"efficiency": 0.6, "buckets": 1},
+     "grad_sync='serial'"),
+    ({"grad_sync": "overlap", "bucket_mb": 25.0, "prefetch_depth": 2}, {"efficiency": 0.55, "buckets": 1},
+     "one bucket"),
+    ({"grad_sync": "overlap", "bucket_mb": 0.0, "prefetch_depth": 2}, {"efficiency": 0.6, "buckets": 16, "busy": 70.0},
+     "Fewer, larger buckets"),
+])
+def test_a_slow_run_is_told_what_its_breakdown_shows(config, canned, words, monkeypatch):
+    calls = []
+
+    def fake(configs, **kwargs):
+        calls.append(kwargs)
+        return _canned(config=configs["yours"], **canned)
+
+    monkeypatch.setattr(lesson09, "run_lab", fake)
+    results = challenge(repr(config))
+    assert results[0].passed
+    assert not results[1].passed and words in results[1].message, results[1].message
+    assert f"ceiling / step = {canned['efficiency']:.2f}" in results[1].message
+    assert len(calls) == 1              # far below the line: no second measurement
+
+
+def test_a_run_just_below_the_line_is_measured_again_with_the_steps_pooled(monkeypatch):
+    config = {"grad_sync": "overlap", "bucket_mb": 0.125, "prefetch_depth": 2}
+    effs = iter([lesson09.THRESHOLD - 0.03, lesson09.THRESHOLD + 0.05])   # pooled: 7 steps each
+    monkeypatch.setattr(lesson09, "run_lab", lambda configs, **k: _canned(next(effs), configs["yours"]))
+    results = challenge(repr(config))
+    assert results[1].passed, results[1].message
+    assert "two runs" in results[1].message
+
+
+def test_a_serial_run_just_below_the_line_stays_below_after_the_second_measurement(monkeypatch):
+    config = {"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 2}
+    effs = iter([lesson09.THRESHOLD - 0.05, lesson09.THRESHOLD - 0.02])
+    monkeypatch.setattr(lesson09, "run_lab", lambda configs, **k: _canned(next(effs), configs["yours"], buckets=1))
+    results = challenge(repr(config))
+    assert not results[1].passed and "grad_sync='serial'" in results[1].message
+    assert "two runs" in results[1].message
+
+
+def test_the_naive_setting_fails_a_real_lab_run_with_the_prefetch_hint():
+    """One real measurement: 2 gloo ranks, ~10 s. The naive setting sits far below the line."""
+    results = challenge('{"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 0}')
+    assert results[0].passed
+    assert not results[1].passed
+    assert "prefetch_depth >= 1" in results[1].message, results[1].message
+    run = lesson09.LAST_CHALLENGE
+    assert run["data_wait_ms"] > 0 and 0 < run["efficiency"] < lesson09.THRESHOLD
