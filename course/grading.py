@@ -362,6 +362,18 @@ def _learner_frame(exc: BaseException) -> str:
     return ""
 
 
+class CheckResults(list):
+    """The `CaseResult`s of one check; shown in a notebook as one short line (the cases are printed)."""
+
+    def __repr__(self) -> str:
+        if not self:
+            return "no cases"
+        return f"{self[0].exercise}: {sum(r.passed for r in self)}/{len(self)} cases passed"
+
+    def _repr_pretty_(self, printer, cycle) -> None:
+        printer.text(repr(self))
+
+
 def check(exercise_id: str, namespace: dict[str, Any] | None = None, quiet: bool = False) -> list[CaseResult]:
     """Run one exercise's cases against the calling notebook's code and print one line per case.
 
@@ -377,7 +389,7 @@ def check(exercise_id: str, namespace: dict[str, Any] | None = None, quiet: bool
     if namespace is None:
         namespace = inspect.currentframe().f_back.f_globals
     learner = Learner(namespace, exercise)
-    results = [run_case(exercise, case, learner) for case in exercise.cases]
+    results = CheckResults(run_case(exercise, case, learner) for case in exercise.cases)
     if not quiet:
         print(format_results(exercise, results))
     record(results)

@@ -57,6 +57,9 @@ def setup_notebook() -> None:
         return
     if _skip_gpu_cells not in ip.input_transformers_cleanup:
         ip.input_transformers_cleanup.append(_skip_gpu_cells)
+    import warnings
+
+    warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm without ipywidgets
     os.environ.setdefault("HF_HUB_OFFLINE", "1")          # the course never downloads
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
