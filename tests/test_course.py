@@ -28,7 +28,7 @@ def _progress_elsewhere(tmp_path, monkeypatch):
 
 
 def test_ten_lessons_each_with_two_exercises():
-    assert LESSONS == [f"{i:02d}" for i in range(len(LESSONS))]
+    assert LESSONS == [f"{i:02d}" for i in range(10)], LESSONS
     for src in course_build.lesson_sources():
         built = course_build.build_lesson(src)
         assert len(built.exercises) >= 2, f"{src.name} has {len(built.exercises)} graded exercise(s)"
