@@ -166,10 +166,10 @@ def test_a_config_the_lab_cannot_run_is_refused_before_measuring(config, words, 
     assert not results[0].passed and words in results[0].message, results[0].message
 
 
-def _canned(efficiency, config, buckets=4, data=0.0, busy=30.0, backward=40.0, exposed=10.0):
-    run = {"efficiency": efficiency, "efficiency_all": [efficiency] * 7, "config": config, "buckets": buckets, "data_wait_ms": data, "step_ms": 100.0,
-           "ceiling_ms": 100.0 * efficiency, "comm_busy_ms": busy, "backward_ms": backward,
-           "exposed_comm_ms": exposed}
+def _canned(efficiency, config, buckets=4, data=0.0, busy=52.0, backward=40.0, exposed=10.0, link=48.0):
+    run = {"efficiency": efficiency, "efficiency_all": [efficiency] * 7, "config": config, "buckets": buckets,
+           "data_wait_ms": data, "step_ms": 100.0, "ceiling_ms": 100.0 * efficiency, "comm_busy_ms": busy,
+           "backward_ms": backward, "exposed_comm_ms": exposed, "link_ms": link}
     return {"grad_bytes": 2**19, "runs": {"yours": run}}
 
 
@@ -180,8 +180,10 @@ def _canned(efficiency, config, buckets=4, data=0.0, busy=30.0, backward=40.0, e
      "grad_sync='serial'"),
     ({"grad_sync": "overlap", "bucket_mb": 25.0, "prefetch_depth": 2}, {"efficiency": 0.55, "buckets": 1},
      "one bucket"),
-    ({"grad_sync": "overlap", "bucket_mb": 0.0, "prefetch_depth": 2}, {"efficiency": 0.6, "buckets": 16, "busy": 70.0},
+    ({"grad_sync": "overlap", "bucket_mb": 0.0, "prefetch_depth": 2}, {"efficiency": 0.6, "buckets": 16, "busy": 80.0},
      "Fewer, larger buckets"),
+    ({"grad_sync": "overlap", "bucket_mb": 0.25, "prefetch_depth": 2}, {"efficiency": 0.62, "buckets": 2},
+     f"below {lesson09.THRESHOLD:.2f}"),
 ])
 def test_a_slow_run_is_told_what_its_breakdown_shows(config, canned, words, monkeypatch):
     calls = []

@@ -258,8 +258,7 @@ def run_lab(configs: dict[str, dict], timeout: float = 120.0, lab: dict | None =
     for name, cfg in configs.items():
         validate_config(cfg, name)
     lab = {**LAB, **(lab or {})}
-    per_rank = run_on_ranks(_lab_rank, lab["world_size"], dict(configs), lab, seed, timeout=timeout,
-                            env={"GLOO_SOCKET_IFNAME": "lo"})
+    per_rank = run_on_ranks(_lab_rank, lab["world_size"], dict(configs), lab, seed, timeout=timeout)
     r0 = per_rank[0]
     runs = {}
     for name in configs:
@@ -551,11 +550,23 @@ def diagnose_run(run: dict, grad_bytes: int) -> str | None:
         return (head + f"bucket_mb={cfg['bucket_mb']:g} puts all {grad_bytes / 2**20:.2f} MiB of gradients in one bucket, "
                 f"which is complete only when backward ends: nothing overlaps. Choose a cap smaller than the model, "
                 f"the planner's table says which (lesson 06)")
-    if run["comm_busy_ms"] > run["backward_ms"]:
-        return (head + f"{run['buckets']} buckets keep the link busy {run['comm_busy_ms']:.0f} ms, longer than backward "
-                f"({run['backward_ms']:.0f} ms): every all-reduce pays the latency again (and costs this CPU a "
-                f"launch). Fewer, larger buckets")
+    if run["comm_busy_ms"] > 1.35 * run["link_ms"]:
+        return (head + f"{run['buckets']} buckets keep the link busy {run['comm_busy_ms']:.0f} ms where one all-reduce of "
+                f"every gradient needs {run['link_ms']:.0f} ms: each bucket pays the latency again (and costs this CPU "
+                f"a launch), and past the crossover every extra latency adds to the step. Fewer, larger buckets")
     return None
+
+
+def _measure(cfg: dict, seed: int = 0) -> dict:
+    """`run_lab` on the learner's configuration; a rank that fails becomes an error naming why."""
+    from hfstream.testing import RankFailure
+
+    try:
+        return run_lab({"yours": cfg}, seed=seed)
+    except RankFailure as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith("---")]
+        raise AssertionError(f"the lab's ranks failed ({lines[-1] if lines else exc}); run the cell again, and "
+                             f"if it persists, restart the kernel") from None
 
 
 @challenge.case(f"measured on 2 ranks over the slow link: ceiling / step >= {THRESHOLD:.2f}",
@@ -564,18 +575,18 @@ def diagnose_run(run: dict, grad_bytes: int) -> str | None:
 def _(learner):
     cfg = learner.final_run_config()
     validate_config(cfg, "final_run_config()")
-    result = run_lab({"yours": cfg})
+    result = _measure(cfg)
     run = result["runs"]["yours"]
     eff, tries = run["efficiency"], [run["efficiency"]]
     if THRESHOLD - RETRY_BAND <= eff < THRESHOLD:
         # Close to the line on a shared machine: measure once more and pool the steps of both runs.
-        again = run_lab({"yours": cfg}, seed=1)
+        again = _measure(cfg, seed=1)
         tries.append(again["runs"]["yours"]["efficiency"])
         eff = statistics.median(run["efficiency_all"] + again["runs"]["yours"]["efficiency_all"])
     LAST_CHALLENGE.clear()
     LAST_CHALLENGE.update({**run, "efficiency": eff, "runs": len(tries)})
     detail = (f"ceiling / step = {eff:.2f} (step {run['step_ms']:.0f} ms, ceiling {run['ceiling_ms']:.0f} ms,"
-              f" exposed comm {run['exposed_comm_ms']:.0f} ms, {run['buckets']} buckets"
+              f" exposed comm {run['exposed_comm_ms']:.0f} ms, {run['buckets']} bucket{'s' if run['buckets'] > 1 else ''}"
               + (f"; two runs, {' and '.join(f'{t:.2f}' for t in tries)}, steps pooled" if len(tries) > 1 else "")
               + ")")
     if eff >= THRESHOLD:
