@@ -142,3 +142,21 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    # After a successful run only: stop gloo's threads (destroy_process_group), then leave without
+    # the interpreter's teardown. A process that reaches teardown with gloo threads still alive
+    # can abort there ("terminate called without an active exception", pytorch/pytorch#190489):
+    # measured on this project's CPU machine, 10 of 15 bare all-reduce scripts without the
+    # destroy, and about 1 Trainer run in 10 even with it. An abort after a finished run makes
+    # the launcher report a failure. After an error the exception propagates as usual.
+    import logging
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
