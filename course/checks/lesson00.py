@@ -120,6 +120,8 @@ def _(learner):
 @ceiling.case("efficiency = ideal / step",
               hint="divide the ceiling by the measured step (a value <= 1 for a real step)")
 def _(learner):
+    if not math.isclose(learner.ceiling_ms(*_CASES[0]), _truth(*_CASES[0]), rel_tol=1e-9):
+        raise Wrong("efficiency uses ceiling_ms, which is not right yet: fix the case above first")
     got = learner.efficiency(50.0, *_CASES[0])
     want = _truth(*_CASES[0]) / 50.0
     if math.isclose(got, 1 / want):
