@@ -15,6 +15,7 @@ library core (`hfstream/__init__`) does not import it.
 from __future__ import annotations
 
 import os
+import socket
 import sysconfig
 from functools import lru_cache
 from pathlib import Path
@@ -101,7 +102,10 @@ def build_stdlib_corpus(out_dir: str | os.PathLike, max_bytes: int = 4_000_000) 
     sources = sorted(p for p in stdlib.rglob("*.py")
                      if "site-packages" not in p.parts and not any(part in ("test", "tests", "idlelib") for part in p.parts))
     written = 0
-    tmp = out.with_suffix(".tmp")
+    # A name of its own per process: on several nodes sharing a file system (or two "nodes" on one
+    # machine) each node's main process builds the corpus at once; a shared temporary name let
+    # one rename the file away from under the other (seen in the SLURM template's test).
+    tmp = out.with_name(f"{out.stem}.{socket.gethostname()}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         for path in sources:
             try:
