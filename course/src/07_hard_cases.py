@@ -112,6 +112,10 @@ class MiniSync:
 # %%
 if not dist.is_initialized():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    # Destroy it when the kernel exits: gloo threads alive at interpreter teardown can abort the
+    # process ("terminate called without an active exception", pytorch/pytorch#190489).
+    import atexit
+    atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
 
 mlp = TinyMLP(dim=8, hidden=16, layers=3)
 x, y = random_regression(n=16, dim=8)
