@@ -25,3 +25,11 @@ def test_slope_is_per_thousand_steps_after_warmup():
     rows = [{"step": s, "x": 10 + 0.002 * s} for s in range(0, 1001, 100)]
     start, last, slope = _slope(rows, "x", warmup_steps=200)
     assert start == pytest.approx(10.4) and last == pytest.approx(12.0) and slope == pytest.approx(2.0)
+
+
+def test_bad_step_counts_are_refused_with_the_flag_named(capsys):
+    from hfstream.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["soak", "--steps", "0"])
+    assert exit_info.value.code == 2 and "--steps" in capsys.readouterr().err

@@ -94,3 +94,11 @@ def test_pending_report_names_the_buckets_that_never_became_ready_and_their_para
     report = run_distributed(_unused_layer, 2, timeout=90)[0]
     assert "never became ready; no gradient yet for skipped.bias" in report
     assert "skipped.weight" in report and "used.weight" not in report
+
+
+@pytest.mark.parametrize("bad", [0, -5, "soon", True, float("nan")])
+def test_gradsync_timeout_must_be_positive_seconds(bad):
+    from hfstream import GradSync
+
+    with pytest.raises(ValueError, match="timeout="):
+        GradSync(torch.nn.Linear(2, 2), timeout=bad)

@@ -243,7 +243,7 @@ class GradSync:
         if comm_stream_priority not in STREAM_PRIORITIES:
             raise ValueError(f"comm_stream_priority={comm_stream_priority!r} is not valid; accepted values: "
                              f"'high', 'normal'")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0):
             raise ValueError(f"timeout={timeout!r} is not valid; give seconds > 0 (the Trainer passes ddp_timeout), "
                              f"or None for {DEFAULT_TIMEOUT_S:.0f} s")
         self.model, self.mode = model, mode
