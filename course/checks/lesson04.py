@@ -10,63 +10,19 @@ results are compared in this process with a single-process reference trained on 
 
 from __future__ import annotations
 
-import ast
-import builtins
 import traceback
 import types
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from course.grading import LEARNER_PREAMBLE, Exercise, Learner, Wrong, load_module
+from course.grading import Exercise, Learner, Wrong, load_module
 from course.lib import TinyMLP, random_regression
 
 WORLD = 2
 STEPS, LR = 8, 0.2
 _SPAWN_TIMEOUT_S = 90.0
 _PG_TIMEOUT_S = 20.0
-
-
-# --------------------------------------------------------------------------- the learner's file
-def _preamble_names() -> set[str]:
-    ns: dict = {}
-    exec(LEARNER_PREAMBLE, ns)
-    return set(ns) | set(dir(builtins))
-
-
-def _keep_definitions(text: str) -> str:
-    """Drop top-level statements that would *run* something when a rank imports the file.
-
-    Kept: imports, functions, classes, and assignments whose calls reach only builtins, the
-    preamble's names, imported names or attributes (``torch.zeros(3)``). Dropped: expressions
-    (``print(...)``, a test call), loops, ``if`` blocks, and assignments that call a function of
-    the notebook (``losses = train(...)``, ``out = on_ranks(...)``).
-    """
-    tree = ast.parse(text)
-    imported = {alias.asname or alias.name.split(".")[0]
-                for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
-    safe = _preamble_names() | imported
-    keep = []
-    for node in tree.body:
-        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            keep.append(node)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            calls = [c.func.id for c in ast.walk(node) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)]
-            if all(name in safe for name in calls):
-                keep.append(node)
-    lines = text.splitlines()
-    chunks = []
-    for node in keep:
-        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        chunks.append("\n".join(lines[first - 1:node.end_lineno]))
-    return "\n".join(chunks) + "\n"
-
-
-def _module_file(learner: Learner) -> str:
-    path = Path(learner.module_file())
-    path.write_text(_keep_definitions(path.read_text()))
-    return str(path)
 
 
 def _call_from_file(rank: int, world_size: int, path: str, name: str, args: tuple, kwargs: dict):
@@ -97,7 +53,7 @@ def on_ranks(fn, world_size: int = WORLD, *args, also=(), timeout: float = 120.0
             raise NotImplementedError(f"{f.__name__} is still the exercise stub: write it (and pass its check) first")
     names = [f.__name__ for f in funcs]
     spec = types.SimpleNamespace(id="04.on_ranks", uses=names, preamble="")
-    path = _module_file(Learner({f.__name__: f for f in funcs}, spec))
+    path = Learner({f.__name__: f for f in funcs}, spec).module_file()
     return run_on_ranks(_call_from_file, world_size, path, fn.__name__, args, kwargs,
                         timeout=timeout, pg_timeout_s=_PG_TIMEOUT_S)
 
@@ -108,7 +64,7 @@ def _spawn(learner: Learner, rank_fn, *args):
     if rank_fn.__name__ not in cache:
         from hfstream.testing import RankFailure, run_on_ranks
 
-        path = _module_file(learner)
+        path = learner.module_file()
         try:
             cache[rank_fn.__name__] = ("ok", run_on_ranks(rank_fn, WORLD, path, *args, timeout=_SPAWN_TIMEOUT_S,
                                                           pg_timeout_s=_PG_TIMEOUT_S))
