@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m hfstream.cli demo
+	$(PY) -m hfstream demo
 
 test: $(STAMP)
 	$(PY) -m pytest

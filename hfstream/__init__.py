@@ -5,7 +5,7 @@ training, and measure how close each step comes to its ceiling.
     >>> from hfstream import GradSync, StreamPrefetcher               # the building blocks
 
 The names are imported on first use (PEP 562), so ``hfstream plan`` and other tools that need
-neither torch nor transformers start at once. `hfstream.data` (local corpus, byte-level
+neither torch nor transformers start at once. `hfstream.tools.data` (local corpus, byte-level
 tokenizer) imports `datasets`; nothing on the library's import path does.
 """
 

@@ -41,9 +41,9 @@ from pathlib import Path
 from transformers import GPT2Config, GPT2LMHeadModel, HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.data import build_stdlib_corpus, byte_tokenizer, load_text_dataset, train_bpe_tokenizer
-from hfstream.plot import plot_breakdown, plot_loss, plot_timeline
-from hfstream.trace import TraceSteps, parse_step_range
+from hfstream.tools.data import build_stdlib_corpus, byte_tokenizer, load_text_dataset, train_bpe_tokenizer
+from hfstream.tools.plot import plot_breakdown, plot_loss, plot_timeline
+from hfstream.tools.trace import TraceSteps, parse_step_range
 
 
 @dataclass

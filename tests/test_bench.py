@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfstream import bench, netshape
-from hfstream.netshape import SimulatedLink, ring_allreduce_bytes
+from hfstream.tools.bench import link as netshape
+from hfstream.tools.bench import run as bench
+from hfstream.tools.bench.link import SimulatedLink, ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -133,7 +134,7 @@ def test_shaped_namespace_limits_an_allreduce_and_is_removed():
     with netshape.shaped_namespace(rate_mbit=160) as name:
         assert netshape.namespace_exists(name)
         assert "tbf" in _tbf_line(name)
-        cmd = [sys.executable, "-m", "hfstream.netshape", "probe", "--inside", "--mb", "2", "--world-size", "2"]
+        cmd = [sys.executable, "-m", "hfstream.tools.bench.link", "probe", "--inside", "--mb", "2", "--world-size", "2"]
         proc = netshape.run_in_namespace(name, cmd, timeout_s=120, env=_env(), capture_output=True)
         assert proc.returncode == 0, proc.stderr
     assert not netshape.namespace_exists(name)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hfstream import bench_prefetch
+from hfstream.tools.bench import prefetch as bench_prefetch
 
 
 def test_quick_run_writes_consistent_json(tmp_path):

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from hfstream import plan as P
+from hfstream.tools.plan import predict as P
 
 MiB = 2**20
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from hfstream import bench, plan
+from hfstream.tools.bench import run as bench
+from hfstream.tools.plan import predict as plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

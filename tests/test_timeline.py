@@ -6,7 +6,7 @@ import math
 import pytest
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.plot import plot_breakdown, plot_loss, plot_timeline
+from hfstream.tools.plot import plot_breakdown, plot_loss, plot_timeline
 from hfstream.timeline import StepRecord, StepTimeline, format_report, summarize
 from tiny import lm_dataset, tiny_causal_lm, train_args
 

@@ -546,7 +546,7 @@ def _timed_step(model, x, y, opt, rec, sync, serial: bool, world_size: int) -> t
 def _demo_rank(rank: int, world_size: int, path: str | None, steps: int, link_ratio: float) -> dict:
     from course.lib import TinyMLP, random_regression
     from hfstream.gradsync import GradSync
-    from hfstream.netshape import SimulatedLink, ring_allreduce_bytes
+    from hfstream.tools.bench.link import SimulatedLink, ring_allreduce_bytes
 
     serial_model = TinyMLP(dim=FIG_DIM, hidden=FIG_DIM, layers=FIG_LAYERS, seed=0)
     overlap_model = TinyMLP(dim=FIG_DIM, hidden=FIG_DIM, layers=FIG_LAYERS, seed=0)

@@ -335,7 +335,7 @@ def _sweep_rank(rank: int, world_size: int, path: str | None, plans: dict | None
 
     from course.lib import tiny_gpt2
     from hfstream.gradsync import GradSync
-    from hfstream.netshape import SimulatedLink, ring_allreduce_bytes
+    from hfstream.tools.bench.link import SimulatedLink, ring_allreduce_bytes
 
     transformers.logging.set_verbosity_error()
     gen = torch.Generator().manual_seed(100 + rank)

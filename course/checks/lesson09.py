@@ -3,7 +3,7 @@ final challenge, a real 2-rank run over a slow link graded on its measured dista
 
 The lab (`run_lab`) is what the lesson measures and what 09.final_challenge grades: two gloo
 ranks train the same MLP on the same slow data source over a simulated link
-(`hfstream.netshape.SimulatedLink`), once per configuration, the configurations interleaved step
+(`hfstream.tools.bench.link.SimulatedLink`), once per configuration, the configurations interleaved step
 by step so that a slow second of a shared machine hits all of them alike. The link and the data
 source follow this machine's compute (each run's recent backward), so the regime is the same on a
 fast laptop and a loaded CI box: all-reducing the gradients in one piece takes 1.2 x backward
@@ -176,7 +176,7 @@ def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int) -
     import torch
     import torch.distributed as dist
 
-    from hfstream.netshape import SimulatedLink
+    from hfstream.tools.bench.link import SimulatedLink
 
     torch.manual_seed(0)
     calibration = _calibrate(lab)
@@ -300,7 +300,7 @@ def _plan_case(model: str = "llama-8b", **overrides):
     """(shape, cfg, buckets as (bytes, ready)) of a planner scenario."""
     import dataclasses
 
-    from hfstream.plan import PlanConfig, load_model, plan_buckets
+    from hfstream.tools.plan.predict import PlanConfig, load_model, plan_buckets
 
     shape = load_model(model)
     cfg = dataclasses.replace(PlanConfig(), **overrides)
@@ -340,7 +340,7 @@ def _ring_variants(nbytes: float, n: int, gbs: float, lat_us: float) -> list[tup
 
 def diagnose_ring(got: float, nbytes: float, n: int, gbs: float, lat_us: float) -> str | None:
     """The hint for a wrong ring all-reduce time, or None when ``got`` is right."""
-    from hfstream.plan import allreduce_s
+    from hfstream.tools.plan.predict import allreduce_s
 
     want = allreduce_s(nbytes, n, gbs, lat_us) * 1e3
     if math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
@@ -369,14 +369,14 @@ def _(learner):
         hint = diagnose_ring(float(got), nbytes, n, gbs, lat)
         if hint:
             raise Wrong(hint)
-    return "6 sizes and world sizes, as hfstream.plan.allreduce_s"
+    return "6 sizes and world sizes, as hfstream.tools.plan.predict.allreduce_s"
 
 
 @scaling.case("comm busy, serial step and ceiling of llama-8b for N = 1 .. 1024, as the planner",
               hint="comm busy = the sum of ring_allreduce_ms over the buckets; serial = forward + backward + "
                    "comm busy + optimizer; ideal = forward + max(backward, comm busy) + optimizer")
 def _(learner):
-    from hfstream.plan import allreduce_s, predict_row
+    from hfstream.tools.plan.predict import allreduce_s, predict_row
 
     shape, cfg, buckets = _plan_case()
     sizes = [b for b, _ in buckets]
@@ -432,11 +432,11 @@ crossover = Exercise("09.crossover", uses=["crossover_world_size", "min_link_gbs
                      title="where overlap stops hiding communication")
 
 
-@crossover.case("the first N whose comm busy exceeds backward, as hfstream.plan.overlap_limit",
+@crossover.case("the first N whose comm busy exceeds backward, as hfstream.tools.plan.predict.overlap_limit",
                 hint="comm busy grows with N: bisect over the integers for the first N with comm busy > backward; "
                      "return None when even a huge N stays within backward", timeout=30.0)
 def _(learner):
-    from hfstream.plan import overlap_limit, predict_row
+    from hfstream.tools.plan.predict import overlap_limit, predict_row
 
     answers = []
     for label, model, over in CROSSOVER_CASES:
@@ -473,7 +473,7 @@ def _(learner):
 def _(learner):
     import dataclasses
 
-    from hfstream.plan import predict_row
+    from hfstream.tools.plan.predict import predict_row
 
     shape, cfg, buckets = _plan_case()
     sizes = [b for b, _ in buckets]

@@ -210,7 +210,7 @@ check("06.bucketed_sync")
 # written), once per cap, the caps taking turns step by step so that a busy moment of this
 # shared machine hits all of them alike.
 #
-# The link is lesson 05's simulated one (`hfstream.netshape.SimulatedLink`), now with a fixed
+# The link is lesson 05's simulated one (`hfstream.tools.bench.link.SimulatedLink`), now with a fixed
 # cost per collective. Both are sized from this machine's own backward, so the picture does not
 # depend on how fast your laptop is:
 #

@@ -48,9 +48,9 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from course.lib import *
 import dataclasses
-from hfstream.plan import (PlanConfig, ModelShape, load_model, plan, plan_buckets, predict_row, overlap_limit,
+from hfstream.tools.plan.predict import (PlanConfig, ModelShape, load_model, plan, plan_buckets, predict_row, overlap_limit,
                            allreduce_s, ring_factor, calibrated_tflops, calibrated_mem_bandwidth_gbs)
-from hfstream.plan import main as hfstream_plan   # `hfstream plan ...` on the command line
+from hfstream.tools.plan.predict import main as hfstream_plan   # `hfstream plan ...` on the command line
 
 bucket = 25 * 2**20
 print(f"{'N':>5} {'2(N-1)/N':>9} {'bandwidth ms':>13} {'latency ms':>11} {'all-reduce ms':>14}")
@@ -119,7 +119,7 @@ print("comm busy exceeds backward from N =", overlap_limit(shape, cfg, buckets))
 #   is its own all-reduce, one after another), `step_serial_ms` (no overlap) and `ideal_ms` (the
 #   ceiling).
 #
-# The check compares you with `hfstream.plan` for llama-8b's 194 buckets at N = 1, 2, 8, 64, 1024.
+# The check compares you with `hfstream.tools.plan.predict` for llama-8b's 194 buckets at N = 1, 2, 8, 64, 1024.
 
 # %%
 def ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us):
@@ -172,7 +172,7 @@ check("09.scaling")
 #   needs no link: 0.
 #
 # You may call your `ring_allreduce_ms` and `predict_step` from above. The check compares with
-# `hfstream.plan.overlap_limit` in four situations and tests your bandwidth with the planner.
+# `hfstream.tools.plan.predict.overlap_limit` in four situations and tests your bandwidth with the planner.
 
 # %%
 def crossover_world_size(backward_ms, bucket_bytes, link_gbs, latency_us, max_world_size=2**40):
@@ -243,7 +243,7 @@ for name, c in levers.items():
 # gradients) on **2 gloo ranks** of this machine, with the building blocks of lessons 03-06:
 # `StreamPrefetcher` over a data source that takes a while per batch, `GradSync` for the
 # gradients, and the step report (`hfstream.timeline.StepTimeline`) measuring every part. The
-# ranks talk through `hfstream.netshape.SimulatedLink`: each all-reduce completes no earlier than
+# ranks talk through `hfstream.tools.bench.link.SimulatedLink`: each all-reduce completes no earlier than
 # latency + 2(N-1)/N x bytes / rate after its launch, one at a time, without blocking compute.
 #
 # So that the lab is in the same regime on a fast laptop and a loaded shared box, the link and the

@@ -5,8 +5,9 @@
 `BucketTuner` chooses the bucket cap online under ``bucket_mb="auto"``.
 """
 
-from .buckets import Bucket, format_plan, plan_buckets
-from .sync import GradSync, SyncStats
+from .buckets import DDP_BUCKET_MB, Bucket, format_plan, plan_buckets
+from .sync import GradSync, SyncStats, union_length
 from .tune import BucketTuner, TuningResult
 
-__all__ = ["Bucket", "BucketTuner", "GradSync", "SyncStats", "TuningResult", "format_plan", "plan_buckets"]
+__all__ = ["DDP_BUCKET_MB", "Bucket", "BucketTuner", "GradSync", "SyncStats", "TuningResult", "format_plan", "plan_buckets",
+           "union_length"]

@@ -37,6 +37,7 @@ from typing import Sequence
 import torch
 
 MiB = 2**20
+DDP_BUCKET_MB = 25.0   # DistributedDataParallel's default bucket_cap_mb
 
 
 @dataclass(frozen=True)

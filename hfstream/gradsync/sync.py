@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import streams
-from .buckets import Bucket, bucket_cap_bytes, plan_buckets
+from .buckets import DDP_BUCKET_MB, Bucket, bucket_cap_bytes, plan_buckets
 from .tune import CANDIDATES_MB, BucketTuner, TuningResult, distinct_candidates, log_choice
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,6 @@ STREAM_PRIORITIES = ("high", "normal")
 COMM_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _BROADCAST_MB = 64.0   # chunk size of the coalesced broadcast at construction
 DEFAULT_TIMEOUT_S = 1800.0       # torch's default process-group timeout
-DEFAULT_BUCKET_MB = 25.0        # DDP's default bucket_cap_mb; also the plan of an inactive "auto"
 
 # Which GradSync hooks a parameter, so that a second one on the same model is refused instead of
 # reducing every gradient twice. Keyed weakly by tensor identity (tensors compare elementwise),
@@ -219,7 +218,7 @@ class GradSync:
     def __init__(
         self,
         model: torch.nn.Module,
-        bucket_mb: float | str = DEFAULT_BUCKET_MB,
+        bucket_mb: float | str = DDP_BUCKET_MB,
         mode: str = "overlap",
         process_group: dist.ProcessGroup | None = None,
         comm_dtype: str | torch.dtype | None = None,
@@ -290,7 +289,7 @@ class GradSync:
             self._tuner = BucketTuner(caps, counts, agree=self._slowest_rank)
             self.bucket_mb, self._planned_mb = "auto", self._tuner.current_mb
         else:
-            self.bucket_mb = self._planned_mb = DEFAULT_BUCKET_MB if auto else float(bucket_mb)
+            self.bucket_mb = self._planned_mb = DDP_BUCKET_MB if auto else float(bucket_mb)
         self.buckets: list[Bucket] = self._plan_for(self._planned_mb)
         self._reset_step()
         if self._active:

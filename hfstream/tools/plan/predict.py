@@ -1,6 +1,6 @@
 """The planner: step time, gradient communication and the ceiling for 1 .. 1024 devices, without running.
 
-It predicts the quantities `hfstream.timeline` and `hfstream.bench` measure (DESIGN.md section
+It predicts the quantities `hfstream.timeline` and `hfstream.tools.bench.run` measure (DESIGN.md section
 4) for a data-parallel step in which every device keeps its tokens per step (weak scaling):
 
     forward, backward   C = 6 P T FLOPs per device and step (+ 12 L d_attn s T with --seq-len),
@@ -31,10 +31,10 @@ N the world size, B the link bandwidth per device, alpha the latency of one ring
 model is one flat ring at one bandwidth: no intra-node fast path, no contention, no
 hierarchical all-reduce.
 
-    python -m hfstream.plan --model llama-8b                       # presets need no hub access
-    python -m hfstream.plan --model path/to/config.json --seq-len 4096 --plot plan.png
-    python -m hfstream.plan --params 1.3B --peak-tflops 989 --link-gbs 50 --json plan.json
-    python -m hfstream.plan --compare bench.json        # predicted vs `hfstream bench --json`
+    python -m hfstream.tools.plan.predict --model llama-8b                       # presets need no hub access
+    python -m hfstream.tools.plan.predict --model path/to/config.json --seq-len 4096 --plot plan.png
+    python -m hfstream.tools.plan.predict --params 1.3B --peak-tflops 989 --link-gbs 50 --json plan.json
+    python -m hfstream.tools.plan.predict --compare bench.json        # predicted vs `hfstream bench --json`
 """
 
 from __future__ import annotations
@@ -582,7 +582,7 @@ def _bench_buckets(mode: dict) -> tuple[float, float | None]:
 
 
 def predict_bench(bench: dict, calibrate_from: str = "backward", use_measured_rate: bool = False) -> dict:
-    """Predict every mode of a `hfstream.bench` JSON document with the same model, tokens, link
+    """Predict every mode of a `hfstream.tools.bench.run` JSON document with the same model, tokens, link
     and world size.
 
     Calibrated from the serial mode (whose compute runs undisturbed): the achieved FLOP/s from its
@@ -640,7 +640,7 @@ def compare_with_measurement(pred: dict, measured: dict, tolerance: float = 0.25
     Args:
         pred: `predict_bench`'s result (``{"modes": {mode: row}}``), or one `predict_row` /
             `plan` row (then ``measured`` is one mode's dict from the bench JSON).
-        measured: a `hfstream.bench` JSON document, or one of its ``modes`` entries.
+        measured: a `hfstream.tools.bench.run` JSON document, or one of its ``modes`` entries.
         tolerance: the relative error on comm busy and step that still counts as agreement.
 
     A serial measurement is compared with the predicted serial step, every other mode
@@ -755,7 +755,7 @@ def _model(text: str) -> ModelShape:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the planner's flags to ``parser`` (``hfstream plan`` and ``python -m hfstream.plan``)."""
+    """Add the planner's flags to ``parser`` (``hfstream plan`` and ``python -m hfstream.tools.plan.predict``)."""
     d = PlanConfig()
     what = parser.add_mutually_exclusive_group()
     what.add_argument("--model", type=_model, default=None, metavar="PRESET|config.json",
@@ -859,7 +859,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hfstream.plan", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m hfstream.tools.plan.predict", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_arguments(parser)
     return run_from_args(parser.parse_args(argv))

@@ -6,7 +6,7 @@ token) or a byte-level BPE trained on your files; the dataset comes from
 ``datasets.load_dataset("text", data_files=...)``. This module imports `datasets`, so the
 library core (`hfstream/__init__`) does not import it.
 
-    >>> from hfstream.data import byte_tokenizer, build_stdlib_corpus, load_text_dataset
+    >>> from hfstream.tools.data import byte_tokenizer, build_stdlib_corpus, load_text_dataset
     >>> tok = byte_tokenizer()
     >>> tok("hé").input_ids
     [104, 195, 169]

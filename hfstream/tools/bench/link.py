@@ -21,9 +21,9 @@ clusters of workstations", JPDC 2009).
 
 Commands (as root)::
 
-    python -m hfstream.netshape check                      # can this machine shape? why not?
-    python -m hfstream.netshape probe --rate-mbit 1000     # all-reduce through a shaped namespace
-    python -m hfstream.netshape probe --simulated --rate-mbit 1000
+    python -m hfstream.tools.bench.link check                      # can this machine shape? why not?
+    python -m hfstream.tools.bench.link probe --rate-mbit 1000     # all-reduce through a shaped namespace
+    python -m hfstream.tools.bench.link probe --simulated --rate-mbit 1000
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def shaped_namespace(
         timeout_s: limit for each ``ip``/``tc`` command.
 
     >>> with shaped_namespace(1000) as name:                                    # doctest: +SKIP
-    ...     run_in_namespace(name, [sys.executable, "-m", "hfstream.netshape", "probe"])
+    ...     run_in_namespace(name, [sys.executable, "-m", "hfstream.tools.bench.link", "probe"])
     """
     if rate_mbit <= 0:
         raise ValueError(f"rate_mbit must be > 0, got {rate_mbit}")
@@ -384,7 +384,7 @@ def _probe_rank(rank: int, world_size: int, nbytes: int, repeats: int, simulated
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hfstream.netshape", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hfstream.tools.bench.link", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     sub.add_parser("check", help="say whether this machine can run a shaped namespace, and why not")
     probe = sub.add_parser("probe", help="time a gloo all-reduce over a shaped (or simulated) link")
@@ -399,7 +399,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         ok, reason = can_shape()
         print(json.dumps({"can_shape": ok, "reason": reason}))
         return 0 if ok else 1
-    from .testing import run_on_ranks
+    from hfstream.testing import run_on_ranks
 
     nbytes = int(ns.mb * 2**20)
     if ns.simulated or ns.inside:
@@ -409,7 +409,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(res[0]))
         return 0
     with shaped_namespace(ns.rate_mbit * ns.world_size) as name:   # N ranks share the loopback
-        argv2 = [sys.executable, "-m", "hfstream.netshape", "probe", "--inside", "--mb", str(ns.mb),
+        argv2 = [sys.executable, "-m", "hfstream.tools.bench.link", "probe", "--inside", "--mb", str(ns.mb),
                  "--world-size", str(ns.world_size), "--repeats", str(ns.repeats)]
         proc = run_in_namespace(name, argv2, timeout_s=150)
     return proc.returncode

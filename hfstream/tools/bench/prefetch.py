@@ -5,8 +5,8 @@ computes, so a step should cost max(collate, compute) instead of collate + compu
 measures the three numbers it takes to check that, in one process with one compute thread
 (the second core is the prefetch thread's):
 
-    python -m hfstream.bench_prefetch --steps 40 --json prefetch.json
-    python -m hfstream.bench_prefetch --report-overhead     # cost of stream_report=True
+    python -m hfstream.tools.bench.prefetch --steps 40 --json prefetch.json
+    python -m hfstream.tools.bench.prefetch --report-overhead     # cost of stream_report=True
 
 ``--report-overhead`` answers a different question with the same machinery: how much the step
 report's measurement costs, StreamTrainer with ``stream_report`` on vs off (no collate work,
@@ -173,7 +173,7 @@ def _print_prefetch(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hfstream.bench_prefetch", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m hfstream.tools.bench.prefetch", description=__doc__.split("\n\n")[0])
     add_arguments(p)
     return run_from_args(p.parse_args(argv), p)
 

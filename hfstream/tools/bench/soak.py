@@ -11,8 +11,8 @@ cost next to DDP's. It trains a larger model for a few steps under ``grad_sync="
 under ``"native"`` (DistributedDataParallel) and compares the resident set after warm-up with
 the gradient bytes.
 
-    python -m hfstream.bench_soak --steps 2000 --json soak.json
-    python -m hfstream.bench_soak --memory
+    python -m hfstream.tools.bench.soak --steps 2000 --json soak.json
+    python -m hfstream.tools.bench.soak --memory
 
 Linux only (/proc).
 """
@@ -73,7 +73,7 @@ def _train_rank(rank, world_size, steps, every, grad_sync, width, layers, out_di
 
 
 def _run(steps, every, grad_sync, width, layers, timeout, samples_n=4096):
-    from .testing import run_on_ranks
+    from hfstream.testing import run_on_ranks
 
     with tempfile.TemporaryDirectory() as out:
         return run_on_ranks(_train_rank, 2, steps, every, grad_sync, width, layers, out, samples_n,

@@ -3,7 +3,7 @@
     trainer.add_callback(TraceSteps(first=10, last=12, out_dir="runs/demo"))
     # -> runs/demo/trace_steps10-12_rank0.json: open in chrome://tracing or https://ui.perfetto.dev
 
-The timeline figure (`hfstream.plot.plot_timeline`) shows what hfstream measured; the trace
+The timeline figure (`hfstream.tools.plot.plot_timeline`) shows what hfstream measured; the trace
 shows every operator and kernel underneath, with the streams they ran on. Activities are the
 ones the installed torch supports (CPU, plus CUDA/XPU where present).
 """

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _accelerator_count() -> int:
@@ -31,7 +31,7 @@ def _accelerator_count() -> int:
 
 def demo_command(extra: list[str], num_devices: int | None = None) -> list[str]:
     """The `accelerate launch` command line the demo runs on this machine."""
-    from .testing import free_port
+    from hfstream.testing import free_port
 
     n = _accelerator_count() if num_devices is None else num_devices
     configs = REPO / "recipes" / "accelerate"
@@ -79,7 +79,7 @@ def _cmd_env(ns) -> int:
     import accelerate
     import transformers
 
-    from . import __version__
+    from hfstream import __version__
 
     acc = getattr(torch, "accelerator", None)
     current = acc.current_accelerator() if acc is not None and acc.is_available() else None
@@ -106,13 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arguments for recipes/train_clm.py, after --, e.g. -- --max_steps 50")
     p.set_defaults(func=_cmd_demo)
 
-    from . import bench
+    from .bench import run as bench
 
     p = sub.add_parser("bench", help="gradient sync side by side on a bandwidth-limited link, against the ceiling")
     bench.add_arguments(p)
     p.set_defaults(func=bench.run_from_args)
 
-    from . import bench_prefetch
+    from .bench import prefetch as bench_prefetch
 
     p = sub.add_parser("bench-prefetch", help="stock Trainer vs StreamTrainer with a costly collate (CPU)")
     bench_prefetch.add_arguments(p)
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by bench_soak itself (see main()); listed here so `hfstream --help` shows it.
     sub.add_parser("soak", help="2 ranks for 2000 steps: do resident memory, threads and open files stay flat?")
 
-    from . import plan
+    from .plan import predict as plan
 
     p = sub.add_parser("plan", help="predict step time, exposed communication and the ceiling for 1..1024 devices")
     plan.add_arguments(p)
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["soak"]:
-        from .bench_soak import main as soak_main
+        from .bench.soak import main as soak_main
 
         return soak_main(argv[1:])
     ns = build_parser().parse_args(argv)

@@ -16,11 +16,11 @@ from the serial mode, where compute runs undisturbed by communication and the re
 alone on the link. On CPU only the ratios mean something: step time over DDP-default's and
 over the ceiling.
 
-The link (see `hfstream.netshape`): as root, the ranks run inside a private network namespace
+The link (see `hfstream.tools.bench.link`): as root, the ranks run inside a private network namespace
 whose loopback has a ``tc tbf`` rate limit of world_size x --rate-mbit (the ranks share that
 loopback, so each gets --rate-mbit); otherwise a simulated link delays each all-reduce's
 completion to latency + 2(N-1)/N x bytes / rate after its launch. The parent process stays
-outside the namespace and re-executes ``python -m hfstream.bench --_worker`` inside it; the
+outside the namespace and re-executes ``python -m hfstream.tools.bench.run --_worker`` inside it; the
 worker runs the ranks with `hfstream.testing.run_on_ranks` and returns its results as JSON.
 
 How the parts of a step are measured (``time.perf_counter`` on every rank; per step the mean
@@ -34,9 +34,9 @@ over ranks, the step itself the slowest rank; then the median over the timed ste
 
 Commands (``hfstream bench ...`` takes the same flags):
 
-    python -m hfstream.bench --quick                               # < 2 min, simulated link (CI)
-    sudo python -m hfstream.bench --json bench.json                # shaped loopback, 2 ranks
-    python -m hfstream.bench --shaping simulated --rate-mbit 500 --modes serial,overlap
+    python -m hfstream.tools.bench.run --quick                               # < 2 min, simulated link (CI)
+    sudo python -m hfstream.tools.bench.run --json bench.json                # shaped loopback, 2 ranks
+    python -m hfstream.tools.bench.run --shaping simulated --rate-mbit 500 --modes serial,overlap
 
 Run it on an otherwise idle machine: with one core per rank, any other job takes compute time
 from a rank. The ``cpu fwd/bwd`` column (the share of a core each rank's compute thread got)
@@ -75,7 +75,7 @@ TARGETS = {
     for ref, limit in (("ddp-default", 0.85), ("ddp-best", 1.00), ("ceiling", 1.15))
 }
 AUTO_TUNING_MAX_STEPS = 60   # bound on the extra warm-up an "auto" session takes to finish tuning
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass
@@ -179,7 +179,7 @@ def _timed_allreduce_hook(state: _CommTimer, bucket):
 
 
 def _union_ms(spans: list[tuple[float, float]]) -> float:
-    from .gradsync.sync import union_length   # the same "in flight" measure GradSync reports
+    from hfstream.gradsync.sync import union_length   # the same "in flight" measure GradSync reports
 
     return union_length(spans) * 1e3
 
@@ -231,7 +231,7 @@ class _Session:
             self.timer = _CommTimer(dist.get_world_size())
             self.forward.register_comm_hook(self.timer, _timed_allreduce_hook)
         else:
-            from .gradsync import GradSync
+            from hfstream.gradsync import GradSync
 
             self.sync = GradSync(self.model, bucket_mb=bucket_mb, mode=kind)
             self.forward = self.model
@@ -331,7 +331,7 @@ def _rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dic
     import torch.distributed as dist
     import transformers
 
-    from .netshape import SimulatedLink, measure_allreduce
+    from .link import SimulatedLink, measure_allreduce
 
     transformers.logging.set_verbosity_error()
     cfg = BenchConfig.from_dict(cfg_dict)
@@ -386,7 +386,7 @@ def _rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dic
 
 
 def _run_ranks(cfg: BenchConfig, shaping: dict) -> list[dict]:
-    from .testing import run_on_ranks
+    from hfstream.testing import run_on_ranks
 
     # GLOO_SOCKET_IFNAME=lo: gloo would otherwise pick the interface of the hostname; the ranks
     # talk over 127.0.0.1 only (inside the namespace: the shaped loopback).
@@ -412,7 +412,7 @@ def _worker_main(cfg_path: str, out_path: str) -> int:
 def resolve_shaping(cfg: BenchConfig) -> dict:
     """Which link this run uses, as the JSON records it. Raises `BenchError` for --shaping netns
     where namespaces cannot be made."""
-    from .netshape import can_shape
+    from .link import can_shape
 
     want = cfg.shaping
     if want == "auto" and cfg.quick:
@@ -434,7 +434,7 @@ def resolve_shaping(cfg: BenchConfig) -> dict:
 
 
 def _run_in_namespace(cfg: BenchConfig, shaping: dict) -> list[dict]:
-    from .netshape import run_in_namespace, shaped_namespace
+    from .link import run_in_namespace, shaped_namespace
 
     with tempfile.TemporaryDirectory(prefix="hfstream-bench-") as tmp:
         cfg_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
@@ -443,7 +443,7 @@ def _run_in_namespace(cfg: BenchConfig, shaping: dict) -> list[dict]:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")   # no DNS in the namespace: c10d warns about hostnames
-        cmd = [sys.executable, "-m", "hfstream.bench", "--_worker", cfg_path, "--_out", out_path]
+        cmd = [sys.executable, "-m", "hfstream.tools.bench.run", "--_worker", cfg_path, "--_out", out_path]
         with shaped_namespace(shaping["tbf_rate_mbit"], latency_ms=shaping["latency_ms"],
                               burst_kb=shaping["burst_kb"], queue_ms=shaping["queue_ms"]) as name:
             shaping["namespace"] = name
@@ -653,7 +653,7 @@ def _buckets(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the benchmark's flags to ``parser`` (``hfstream bench`` and ``python -m hfstream.bench``)."""
+    """Add the benchmark's flags to ``parser`` (``hfstream bench`` and ``python -m hfstream.tools.bench.run``)."""
     parser.add_argument("--quick", action="store_true",
                         help="small model, few steps, simulated link unless --shaping netns: under 2 minutes")
     parser.add_argument("--world-size", type=_world_size, default=2, help="number of ranks (default 2)")
@@ -720,7 +720,7 @@ def run_from_args(ns: argparse.Namespace, argv: Sequence[str] | None = None) -> 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hfstream.bench", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m hfstream.tools.bench.run", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     parser.add_argument("--_worker", default=None, help=argparse.SUPPRESS)   # job file, inside the namespace

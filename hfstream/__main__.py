@@ -1,0 +1,7 @@
+"""``python -m hfstream`` is the ``hfstream`` command."""
+
+import sys
+
+from hfstream.tools.cli import main
+
+sys.exit(main())
