@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
+from .gradsync.options import COMM_DTYPES, STREAM_PRIORITIES, comm_dtype_name
+
 GRAD_SYNC_MODES = ("auto", "overlap", "serial", "native")
-COMM_DTYPES = ("bf16", "fp16")
-STREAM_PRIORITIES = ("high", "normal")
 # "auto" became the default once it beat the fixed 25 MiB cap in the benchmark
 # (docs/benchmarks.md): the bucket cap is tuned from measured communication in the first steps.
 DEFAULT_BUCKET_MB = "auto"
@@ -140,14 +140,12 @@ class StreamTrainingArguments(TrainingArguments):
                     "(0 = one parameter per bucket, inf = one bucket) or 'auto'"
                 )
             self.grad_bucket_mb = bucket
-        if self.grad_comm_dtype is not None:
-            aliases = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
-            dtype = aliases.get(str(self.grad_comm_dtype).lower(), str(self.grad_comm_dtype).lower())
-            if dtype in ("none", ""):
-                dtype = None
-            elif dtype not in COMM_DTYPES:
-                raise _choice_error("grad_comm_dtype", self.grad_comm_dtype, (None,) + COMM_DTYPES)
-            self.grad_comm_dtype = dtype
+        if isinstance(self.grad_comm_dtype, str) and self.grad_comm_dtype.lower() in ("none", ""):
+            self.grad_comm_dtype = None   # the command line's spelling of None
+        try:
+            self.grad_comm_dtype = comm_dtype_name(self.grad_comm_dtype, "grad_comm_dtype")
+        except ValueError:
+            raise _choice_error("grad_comm_dtype", self.grad_comm_dtype, (None, *COMM_DTYPES)) from None
         if self.comm_stream_priority not in STREAM_PRIORITIES:
             raise _choice_error("comm_stream_priority", self.comm_stream_priority, STREAM_PRIORITIES)
         if self.step_watchdog_s is not None:

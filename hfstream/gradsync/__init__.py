@@ -6,7 +6,8 @@
 """
 
 from .buckets import DDP_BUCKET_MB, Bucket, format_plan, plan_buckets
-from .sync import GradSync, SyncStats, union_length
+from .stats import SyncStats, union_length
+from .sync import GradSync
 from .tune import BucketTuner, TuningResult
 
 __all__ = ["DDP_BUCKET_MB", "Bucket", "BucketTuner", "GradSync", "SyncStats", "TuningResult", "format_plan", "plan_buckets",

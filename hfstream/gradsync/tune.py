@@ -29,8 +29,14 @@ rank at the same step: no gradient is lost or counted twice.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import streams
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +174,65 @@ def log_choice(result: TuningResult) -> None:
     logger.info("GradSync: bucket_mb='auto' chose %g MiB (%d buckets) after %d synchronised steps; score per cap "
                 "(first gradient hook to end of finish(), best step, slowest rank): %s",
                 result.bucket_mb, result.num_buckets, result.steps, scores)
+
+
+class AutoBucketCap:
+    """GradSync's side of ``bucket_mb="auto"``: scores each synchronised step, agrees, picks the cap.
+
+    GradSync calls `step_started` at the first synchronised gradient hook of a step and
+    `step_finished` at the end of ``finish()``, on every rank at the same step; the latter
+    returns the cap to plan the next step with, and once tuning is over the `TuningResult`.
+
+    Args:
+        plan_for: cap in MiB -> the plan GradSync would use (to prune equivalent candidates).
+        group: the process group the ranks agree over.
+        device: where the agreement's small tensors live (the gradients' device: every backend
+            of the group serves it).
+    """
+
+    def __init__(self, plan_for: Callable[[float], list], group, device: torch.device):
+        self.group, self.device = group, device
+        caps, counts = distinct_candidates(plan_for, CANDIDATES_MB)
+        self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank)
+        self._start = None   # (host time, event or None, device) of the step's first synchronised hook
+
+    @property
+    def current_mb(self) -> float:
+        return self.tuner.current_mb
+
+    def step_started(self, param: torch.Tensor) -> None:
+        event = None
+        if streams.is_accelerator(param.device):
+            event = streams.new_event(param.device, enable_timing=True)
+            event.record(streams.current_stream(param.device))
+        self._start = (time.perf_counter(), event, param.device)
+
+    def step_finished(self) -> tuple[float, TuningResult | None]:
+        """Score the step that just ended; the cap for the next step, and the result once done."""
+        self.tuner.observe(self._score_ms())
+        if not self.tuner.done:
+            return self.tuner.current_mb, None
+        result = self.tuner.decide(broadcast=self._rank0_pick)
+        log_choice(result)
+        return result.bucket_mb, result
+
+    def _score_ms(self) -> float:
+        """First synchronised gradient hook to the end of finish()."""
+        start, event, device = self._start
+        self._start = None
+        if event is None:
+            return (time.perf_counter() - start) * 1e3
+        end = streams.new_event(device, enable_timing=True)
+        end.record(streams.current_stream(device))
+        end.synchronize()   # tuning steps only: the score must be known before the next step
+        return event.elapsed_time(end)
+
+    def _slowest_rank(self, score_ms: float) -> float:
+        t = torch.tensor([score_ms], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.item()
+
+    def _rank0_pick(self, index: int) -> int:
+        t = torch.tensor([index], dtype=torch.int64, device=self.device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return int(t.item())
