@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfstream.tools.bench import link as netshape
-from hfstream.tools.bench import run as bench
+from hfstream.gradsync import DDP_BUCKET_MB
+from hfstream.tools.bench import cli as bench
+from hfstream.tools.bench import config, netns
 from hfstream.tools.bench.link import SimulatedLink, ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +111,7 @@ def test_simulated_allreduce_takes_bytes_over_bandwidth_and_never_blocks_compute
 # -- the shaped namespace ---------------------------------------------------------------------------
 
 def _require_netns():
-    ok, reason = netshape.can_shape()
+    ok, reason = netns.can_shape()
     if not ok:
         pytest.skip(f"no shaped namespace here: {reason}")
 
@@ -131,13 +132,13 @@ def _tbf_line(name: str) -> str:
 def test_shaped_namespace_limits_an_allreduce_and_is_removed():
     _require_netns()
     # 2 ranks share the loopback: 160 Mbit/s on lo = 80 Mbit/s per rank; 2 MiB then needs 0.21 s.
-    with netshape.shaped_namespace(rate_mbit=160) as name:
-        assert netshape.namespace_exists(name)
+    with netns.shaped_namespace(rate_mbit=160) as name:
+        assert netns.namespace_exists(name)
         assert "tbf" in _tbf_line(name)
-        cmd = [sys.executable, "-m", "hfstream.tools.bench.link", "probe", "--inside", "--mb", "2", "--world-size", "2"]
-        proc = netshape.run_in_namespace(name, cmd, timeout_s=120, env=_env(), capture_output=True)
+        cmd = [sys.executable, "-m", "hfstream.tools.bench.netns", "probe", "--inside", "--mb", "2", "--world-size", "2"]
+        proc = netns.run_in_namespace(name, cmd, timeout_s=120, env=_env(), capture_output=True)
         assert proc.returncode == 0, proc.stderr
-    assert not netshape.namespace_exists(name)
+    assert not netns.namespace_exists(name)
     measured = json.loads(proc.stdout.strip().splitlines()[-1])
     expected = ring_allreduce_bytes(2 * MiB, 2) * 8 / 80e6
     # tbf lets its 256 KiB burst through at line rate and TCP timing varies run to run (0.167 s
@@ -151,19 +152,19 @@ def test_shaped_namespace_limits_an_allreduce_and_is_removed():
 def test_shaped_namespace_is_removed_on_error_and_interrupt(exc):
     _require_netns()
     with pytest.raises(exc):
-        with netshape.shaped_namespace(rate_mbit=100) as name:
+        with netns.shaped_namespace(rate_mbit=100) as name:
             raise exc("boom")
-    assert not netshape.namespace_exists(name)
+    assert not netns.namespace_exists(name)
 
 
 def test_run_in_namespace_kills_a_command_that_overruns():
     _require_netns()
-    with netshape.shaped_namespace(rate_mbit=100) as name:
+    with netns.shaped_namespace(rate_mbit=100) as name:
         t0 = time.perf_counter()
         with pytest.raises(subprocess.TimeoutExpired):
-            netshape.run_in_namespace(name, ["sleep", "30"], timeout_s=1)
+            netns.run_in_namespace(name, ["sleep", "30"], timeout_s=1)
         assert time.perf_counter() - t0 < 15
-    assert not netshape.namespace_exists(name)
+    assert not netns.namespace_exists(name)
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
@@ -177,7 +178,7 @@ def test_quick_bench_writes_every_mode_with_consistent_ratios(tmp_path, capsys):
 
     assert result["shaping"]["kind"] == "simulated"
     assert result["shaping"]["rate_mbit"] > 0 and "latency_ms" in result["shaping"]
-    assert list(result["modes"]) == list(bench.MODES)
+    assert list(result["modes"]) == list(config.MODES)
     base = result["modes"]["ddp-default"]["step_ms"]
     ceiling = result["ceiling"]["step_ms"]
     assert ceiling > 0
@@ -195,8 +196,8 @@ def test_quick_bench_writes_every_mode_with_consistent_ratios(tmp_path, capsys):
     sweep = {s["bucket_mb"]: s["step_ms"] for s in result["ddp_sweep"]}
     assert result["best_ddp_bucket_mb"] in sweep
     assert sweep[result["best_ddp_bucket_mb"]] == min(sweep.values())
-    assert result["modes"]["overlap-best"]["bucket_mb"] == (result["best_ddp_bucket_mb"] or 25.0)
-    assert set(result["targets"]) == set(bench.TARGETS)
+    assert result["modes"]["overlap-best"]["bucket_mb"] == (result["best_ddp_bucket_mb"] or DDP_BUCKET_MB)
+    assert set(result["targets"]) == set(config.TARGETS)
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -215,7 +216,7 @@ def test_bad_flags_fail_naming_the_flag(argv, flag, capsys):
 
 
 def test_netns_shaping_without_namespaces_says_why(monkeypatch, capsys):
-    monkeypatch.setattr(netshape, "can_shape", lambda latency=False: (False, "network namespaces need root"))
+    monkeypatch.setattr(netns, "can_shape", lambda latency=False: (False, "network namespaces need root"))
     assert bench.main(["--quick", "--shaping", "netns"]) == 2
     err = capsys.readouterr().err
     assert "--shaping netns" in err and "need root" in err and "simulated" in err
@@ -228,4 +229,22 @@ def test_arguments_plug_into_another_parser():
     ns = parser.parse_args(["bench", "--quick", "--modes", "overlap,serial", "--steps", "5"])
     cfg = bench.config_from_args(ns)
     assert cfg.quick and cfg.steps == 5 and cfg.modes == ("serial", "overlap")
-    assert cfg.model == bench.QUICK_MODEL and cfg.timeout_s < 120
+    assert cfg.model == config.QUICK_MODEL and cfg.timeout_s < 120
+
+
+def test_gloo_uses_lo_only_where_it_exists(monkeypatch):
+    # Inside the namespace lo is the only interface; elsewhere `lo` is Linux's name, not everyone's.
+    assert netns.gloo_loopback_env(inside_namespace=True) == {"GLOO_SOCKET_IFNAME": "lo"}
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo0"), (2, "en0")])
+    assert netns.gloo_loopback_env(inside_namespace=False) == {}
+    monkeypatch.setattr(netns.socket, "if_nameindex", lambda: [(1, "lo"), (2, "eth0")])
+    assert netns.gloo_loopback_env(inside_namespace=False) == {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def test_old_entry_point_still_runs_the_command_line(capsys):
+    # `python -m hfstream.tools.bench.run` and `run.main` are the same command as `python -m hfstream.tools.bench`.
+    from hfstream.tools.bench import run
+
+    with pytest.raises(SystemExit) as err:
+        run.main(["--world-size", "1"])
+    assert err.value.code == 2 and "--world-size" in capsys.readouterr().err

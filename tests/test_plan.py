@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from hfstream.tools.plan import predict as P
+import hfstream.tools.plan as P
+from hfstream.tools.plan.cli import _count
 
 MiB = 2**20
 
@@ -212,7 +213,7 @@ def test_buckets_are_gradsync_buckets():
         model = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in config.items() if k != "model_type"}))
     shape = P.shape_from_config(config)
     for mb, first in ((0.0, None), (0.01, None), (0.05, None), (0.05, 0.01), (math.inf, None)):
-        mine = P.plan_buckets(shape, 4, mb, first)
+        mine = P.predict_buckets(shape, 4, mb, first)
         theirs = gradsync_plan(list(model.named_parameters()), mb, first_bucket_mb=first)
         assert [b for b, _ in mine] == [b.nbytes for b in theirs]
         ready = [r for _, r in mine]
@@ -259,6 +260,23 @@ def test_plot_and_strict_json(tmp_path, capsys):
     assert "comm busy" in capsys.readouterr().out
 
 
+def test_plot_plan_leaves_the_backend_alone(tmp_path):
+    """The planner figure never switches matplotlib's backend (a notebook's inline one stays)."""
+    import matplotlib
+
+    from hfstream.tools.plot import plot_plan
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")          # not Agg, so a switch to Agg would show
+    try:
+        doc = P.plan(P.load_model("gpt2-124m"), P.PlanConfig(world_sizes=(1, 8, 64)))
+        png = plot_plan(doc, tmp_path / "sub" / "plan.png")
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)
+
+
 @pytest.mark.parametrize("flag,value", [
     ("--link-gbs", "0"), ("--link-gbs", "-3"), ("--latency-us", "-1"), ("--mfu", "1.5"), ("--mfu", "0"),
     ("--peak-tflops", "nan"), ("--tokens-per-device", "0"), ("--world-sizes", "0,2"), ("--world-sizes", "a"),
@@ -284,7 +302,7 @@ def test_inconsistent_flags_fail_naming_the_flag(argv, flag, capsys):
 
 
 def test_parameter_counts_and_config_errors():
-    assert P._count("124M") == 124_000_000 and P._count("1.3B") == 1_300_000_000 and P._count("7e9") == 7 * 10**9
+    assert _count("124M") == 124_000_000 and _count("1.3B") == 1_300_000_000 and _count("7e9") == 7 * 10**9
     with pytest.raises(ValueError, match="link_gbs"):
         P.PlanConfig(link_gbs=0)
     with pytest.raises(ValueError, match="mfu"):

@@ -107,3 +107,21 @@ def test_sync_work_beyond_comm_busy_counts_as_backward():
     tl.end_step()
     (rec,) = tl.records
     assert rec.exposed_comm_ms == 2.0 and rec.backward_ms >= 3.0
+
+
+def test_run_figures_leave_the_backend_alone(tmp_path):
+    """Drawing a figure never switches matplotlib's backend (a notebook's inline one stays)."""
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")          # not Agg, so a switch to Agg would show
+    try:
+        row = {"data_wait_ms": 1.0, "forward_ms": 2.0, "backward_ms": 3.0, "exposed_comm_ms": 0.5,
+               "optimizer_ms": 1.0, "ideal_ms": 6.0}
+        plot_breakdown({"mean": row, "per_rank": [row, row]}, tmp_path / "b.png")
+        plot_loss([{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}], tmp_path / "l.png")
+        plot_timeline([[0, "compute", "forward", 0.0, 0.002]], tmp_path / "t.png")
+        assert all((tmp_path / f).read_bytes()[:4] == b"\x89PNG" for f in ("b.png", "l.png", "t.png"))
+        assert matplotlib.get_backend() == "svg"
+    finally:
+        matplotlib.use(before)

@@ -532,7 +532,7 @@ def _timed_step(model, x, y, opt, rec, sync, serial: bool, world_size: int) -> t
     t4 = time.perf_counter()
     calls = rec.take()
     comm = [(c["launch"], c["done"] or t3) for c in calls]
-    from hfstream.gradsync.sync import union_length
+    from hfstream.gradsync import union_length
 
     parts = {"forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3, "exposed_comm_ms": (t3 - t2) * 1e3,
              "optimizer_ms": (t4 - t3) * 1e3, "step_ms": (t4 - t0) * 1e3,

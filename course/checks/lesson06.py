@@ -321,7 +321,7 @@ def _sweep_step(model, ids, opt, rec, sync, world_size) -> dict:
     opt.zero_grad(set_to_none=True)
     t4 = time.perf_counter()
     calls = rec.take()
-    from hfstream.gradsync.sync import union_length
+    from hfstream.gradsync import union_length
 
     return {"forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3, "exposed_comm_ms": (t3 - t2) * 1e3,
             "optimizer_ms": (t4 - t3) * 1e3, "step_ms": (t4 - t0) * 1e3,

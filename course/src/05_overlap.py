@@ -242,7 +242,7 @@ check("05.finish")
 # On one machine, loopback moves gigabytes per second: the all-reduce of a few MiB is over before
 # it could be worth hiding, and what it does cost is CPU time taken from compute. To study overlap
 # on a laptop, the link must be slow but must not steal compute. hfstream's benchmark has one for
-# exactly that (`hfstream.tools.bench.link.SimulatedLink`, DESIGN.md section 5): it wraps
+# exactly that (`hfstream.tools.bench.link.SimulatedLink`, docs/design.md section 5): it wraps
 # `dist.all_reduce`, launches the real gloo reduction at once, and makes the returned work
 # complete no earlier than `latency + 2(N-1)/N x bytes / bandwidth` after launch (and after the
 # previous transfer: a link carries one at a time). The launch returns immediately, so compute is

@@ -48,9 +48,9 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from course.lib import *
 import dataclasses
-from hfstream.tools.plan.predict import (PlanConfig, ModelShape, load_model, plan, plan_buckets, predict_row, overlap_limit,
-                           allreduce_s, ring_factor, calibrated_tflops, calibrated_mem_bandwidth_gbs)
-from hfstream.tools.plan.predict import main as hfstream_plan   # `hfstream plan ...` on the command line
+from hfstream.tools.plan import (PlanConfig, ModelShape, load_model, plan, predict_buckets, predict_row, overlap_limit,
+                                 allreduce_s, ring_factor, calibrated_tflops, calibrated_mem_bandwidth_gbs)
+from hfstream.tools.plan import main as hfstream_plan   # `hfstream plan ...` on the command line
 
 bucket = 25 * 2**20
 print(f"{'N':>5} {'2(N-1)/N':>9} {'bandwidth ms':>13} {'latency ms':>11} {'all-reduce ms':>14}")
@@ -100,7 +100,7 @@ hfstream_plan(["--model", "llama-8b", "--world-sizes", "1,8,64,512,1024"])
 # %%
 shape = load_model("llama-8b")                 # a preset, or the path of any transformers config.json
 cfg = PlanConfig(link_gbs=25.0, latency_us=5.0, bucket_mb=25.0, tokens_per_device=8192)
-buckets = plan_buckets(shape, cfg.grad_bytes, cfg.bucket_mb)          # [(bytes, ready fraction), ...]
+buckets = predict_buckets(shape, cfg.grad_bytes, cfg.bucket_mb)       # [(bytes, ready fraction), ...]
 row = predict_row(shape, cfg, 64, buckets)
 print(f"{shape.name}: {shape.params / 1e9:.2f}B parameters in {len(buckets)} buckets")
 print({k: round(v, 1) for k, v in row.items() if k.endswith("_ms")})
@@ -119,7 +119,7 @@ print("comm busy exceeds backward from N =", overlap_limit(shape, cfg, buckets))
 #   is its own all-reduce, one after another), `step_serial_ms` (no overlap) and `ideal_ms` (the
 #   ceiling).
 #
-# The check compares you with `hfstream.tools.plan.predict` for llama-8b's 194 buckets at N = 1, 2, 8, 64, 1024.
+# The check compares you with `hfstream.tools.plan` for llama-8b's 194 buckets at N = 1, 2, 8, 64, 1024.
 
 # %%
 def ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us):
@@ -172,7 +172,7 @@ check("09.scaling")
 #   needs no link: 0.
 #
 # You may call your `ring_allreduce_ms` and `predict_step` from above. The check compares with
-# `hfstream.tools.plan.predict.overlap_limit` in four situations and tests your bandwidth with the planner.
+# `hfstream.tools.plan.overlap_limit` in four situations and tests your bandwidth with the planner.
 
 # %%
 def crossover_world_size(backward_ms, bucket_bytes, link_gbs, latency_us, max_world_size=2**40):
@@ -310,7 +310,7 @@ def predict_lab(config, world_size=2):
     step = row["step_overlap_ms"] if config["grad_sync"] == "overlap" else row["step_serial_ms"]
     if config["prefetch_depth"] == 0:
         step += ref["link"]["data_ms"]
-    return step / ceiling, len(plan_buckets(lab_shape, 4, config["bucket_mb"])), row
+    return step / ceiling, len(predict_buckets(lab_shape, 4, config["bucket_mb"])), row
 
 
 print(f"{'bucket_mb':>10}{'buckets':>8}{'comm busy':>10}{'exposed':>9}{'pred. step/ceiling':>19}")

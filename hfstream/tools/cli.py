@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="arguments for recipes/train_clm.py, after --, e.g. -- --max_steps 50")
     p.set_defaults(func=_cmd_demo)
 
-    from .bench import run as bench
+    from .bench import cli as bench
 
     p = sub.add_parser("bench", help="gradient sync side by side on a bandwidth-limited link, against the ceiling")
     bench.add_arguments(p)
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Parsed by bench_soak itself (see main()); listed here so `hfstream --help` shows it.
     sub.add_parser("soak", help="2 ranks for 2000 steps: do resident memory, threads and open files stay flat?")
 
-    from .plan import predict as plan
+    from .plan import cli as plan
 
     p = sub.add_parser("plan", help="predict step time, exposed communication and the ceiling for 1..1024 devices")
     plan.add_arguments(p)

@@ -1,7 +1,7 @@
 """Pictures of a run: the step breakdown against the ceiling, and the loss curve.
 
-matplotlib with the Agg backend (no display needed); every function saves a PNG and returns
-its path.
+Each figure is drawn on its own ``matplotlib.figure.Figure`` (no pyplot, no display needed), so
+drawing one never switches a notebook's backend; every function saves a PNG and returns its path.
 """
 
 from __future__ import annotations
@@ -16,23 +16,20 @@ PARTS = (("data_wait_ms", "data wait", "#c9c9c9"), ("forward_ms", "forward", "#4
          ("optimizer_ms", "optimizer", "#8172b2"))
 
 
-def _pyplot():
-    import matplotlib
+def _subplots(figsize: tuple[float, float]):
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    return plt
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots()
 
 
 def plot_breakdown(report: dict[str, Any], path: str | os.PathLike, title: str = "step breakdown vs ceiling") -> Path:
     """Stacked bar per rank (and their mean) of where a step's time goes, with the ceiling marked."""
-    plt = _pyplot()
     per_rank = report.get("per_rank") or []
     bars = [("mean", report.get("mean", report))] + [(f"rank {i}", r) for i, r in enumerate(per_rank) if r]
     if len(bars) == 2:
         bars = bars[:1]   # one rank: its mean is the rank
-    fig, ax = plt.subplots(figsize=(max(5.0, 3.2 + 1.1 * len(bars)), 4.2))
+    fig, ax = _subplots((max(5.0, 3.2 + 1.1 * len(bars)), 4.2))
     for x, (_, row) in enumerate(bars):
         bottom = 0.0
         for key, label, color in PARTS:
@@ -54,10 +51,9 @@ def plot_breakdown(report: dict[str, Any], path: str | os.PathLike, title: str =
 
 def plot_loss(log_history: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "training loss") -> Path:
     """Training (and, where logged, evaluation) loss against the optimizer step."""
-    plt = _pyplot()
     train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
     evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h and "step" in h]
-    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    fig, ax = _subplots((5.5, 3.6))
     if train:
         ax.plot(*zip(*train), label="train", color="#4c72b0")
     if evals:
@@ -70,11 +66,10 @@ def plot_loss(log_history: Sequence[dict[str, Any]], path: str | os.PathLike, ti
     return _save(fig, path)
 
 
-def _save(fig, path) -> Path:
+def _save(fig, path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    _pyplot().close(fig)
+    fig.savefig(path, dpi=dpi)
     return path
 
 
@@ -91,9 +86,8 @@ def plot_timeline(spans: Sequence[Sequence[Any]], path: str | os.PathLike,
     ``spans`` of a `StreamReport`). Each rank's clock is shown from its own first span, so
     ranks on different machines line up by step, not by wall clock.
     """
-    plt = _pyplot()
     ranks = sorted({int(s[0]) for s in spans})
-    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.75 * max(1, len(ranks)) * len(LANES)))
+    fig, ax = _subplots((9, 0.9 + 0.75 * max(1, len(ranks)) * len(LANES)))
     origin = {r: min(s[3] for s in spans if int(s[0]) == r) for r in ranks}
     labels, ticks, seen = [], [], set()
     for i, rank in enumerate(ranks):
@@ -116,3 +110,34 @@ def plot_timeline(spans: Sequence[Sequence[Any]], path: str | os.PathLike,
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     return _save(fig, path)
+
+
+def plot_plan(doc: dict[str, Any], path: str | os.PathLike, title: str | None = None) -> Path:
+    """Step time with and without overlap, and the ceiling, against world size (log x).
+
+    ``doc`` is a `hfstream.tools.plan.plan` document.
+    """
+    rows = doc["rows"]
+    n = [r["world_size"] for r in rows]
+    fig, ax = _subplots((6.4, 4.0))
+    ax.plot(n, [r["step_serial_ms"] for r in rows], "o-", color="#c44e52", label="step, serial (no overlap)")
+    ax.plot(n, [r["step_overlap_ms"] for r in rows], "s-", color="#4c72b0", label="step, overlap")
+    ax.plot(n, [r["ideal_ms"] for r in rows], "k--", label="ceiling: fwd + max(bwd, comm) + opt")
+    ax.plot(n, [r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"] for r in rows], ":", color="#55a868",
+            label="compute only")
+    limit = doc["overlap_incomplete_from"]
+    if limit is not None and min(n) <= limit <= max(n):
+        ax.axvline(limit, color="grey", lw=0.8)
+        ax.text(limit, ax.get_ylim()[1], f" comm > bwd from N={limit}", fontsize=8, va="top", color="grey")
+    ax.set_xscale("log", base=2)
+    if len(n) <= 16:
+        ax.set_xticks(n, [str(x) for x in n])
+        ax.minorticks_off()
+    ax.set_xlabel("world size N (devices)")
+    ax.set_ylabel("ms per optimizer step")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or f"hfstream plan: {doc['model']['name']}, {doc['inputs']['tokens_per_device']:,} "
+                          f"tokens/device, {doc['inputs']['link_gbs']:g} GB/s", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path, dpi=120)

@@ -1,0 +1,278 @@
+"""What runs inside one rank: the timed sessions, one per mode, stepped side by side.
+
+Every rank builds the same sessions in the same order (`rank_main`), warms each up, then times
+them in interleaved rounds. How the parts of a step are measured (``time.perf_counter`` on every
+rank; `hfstream.tools.bench.summary` takes per step the mean over ranks, the step itself the
+slowest rank, then the median over the timed steps):
+
+    GradSync modes   forward | loss.backward() | sync.finish() | optimizer.step + zero_grad;
+                     comm busy and exposed comm from ``sync.stats``
+    DDP modes        a comm hook (the default all-reduce hook plus timestamps) records when each
+                     bucket is launched and completed; backward ends at the last launch, and the
+                     rest of ``loss.backward()`` (DDP waits for its buckets there) is exposed comm
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import os
+import statistics
+import sys
+import threading
+import time
+
+from hfstream.gradsync import DDP_BUCKET_MB, GradSync, union_length
+
+from .config import BenchConfig, ModelSpec
+
+AUTO_TUNING_MAX_STEPS = 60   # bound on the extra warm-up an "auto" session takes to finish tuning
+
+
+def _build_model(spec: ModelSpec, seed: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=spec.n_layer, n_embd=spec.n_embd, n_head=spec.n_head, vocab_size=spec.vocab_size,
+        n_positions=spec.seq_len, bos_token_id=spec.vocab_size - 1, eos_token_id=spec.vocab_size - 1,
+    )
+    torch.manual_seed(seed)   # every mode starts from the same weights
+    return GPT2LMHeadModel(config)
+
+
+class _CommTimer:
+    """State of `_timed_allreduce_hook`: launch/complete times of DDP's bucket reductions."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.spans: list[tuple[float, float]] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> list[tuple[float, float]]:
+        with self._lock:
+            spans, self.spans = self.spans, []
+        return spans
+
+
+def _timed_allreduce_hook(state: _CommTimer, bucket):
+    """DDP's default all-reduce hook (divide, then sum over ranks) plus timestamps.
+
+    It calls ``torch.distributed.all_reduce`` by attribute, so under the simulated link the
+    future DDP waits on completes when the link says (see `hfstream.tools.bench.link.SimulatedLink`).
+    """
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    buf.div_(state.world_size)
+    launched = time.perf_counter()
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+
+    def done(f):
+        with state._lock:
+            state.spans.append((launched, time.perf_counter()))
+        return f.value()[0]
+
+    return fut.then(done)
+
+
+class _Progress:
+    """Progress with an ETA on stderr, from rank 0, at most every couple of seconds."""
+
+    def __init__(self, total_steps: int, enabled: bool):
+        self.total, self.done, self.enabled = total_steps, 0, enabled
+        self.t0 = self.last = time.perf_counter()
+
+    def step(self, label: str, i: int, n: int, phase: str) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if not self.enabled or (now - self.last < 2.0 and self.done < self.total):
+            return
+        self.last = now
+        elapsed = now - self.t0
+        eta = elapsed / self.done * (self.total - self.done)
+        print(f"[hfstream bench] {label:<13} {phase:<10} step {i:>3}/{n:<3} | {self.done}/{self.total} steps "
+              f"({100 * self.done / self.total:3.0f} %) | elapsed {_fmt_s(elapsed)} | ETA {_fmt_s(eta)}",
+              file=sys.stderr, flush=True)
+
+
+def _fmt_s(s: float) -> str:
+    return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
+
+
+class _Session:
+    """One mode on its own copy of the model: built once, then stepped in rounds.
+
+    Args:
+        kind: ``"ddp"``, ``"serial"`` or ``"overlap"``.
+        bucket_mb: bucket cap in MiB; None = DDP's own default; "auto" = GradSync tunes it.
+        label: the run's name in the results, e.g. ``"ddp@4"``.
+    """
+
+    def __init__(self, kind: str, bucket_mb: float | str | None, cfg: BenchConfig, label: str):
+        import torch
+        import torch.distributed as dist
+
+        self.kind, self.bucket_mb, self.label = kind, bucket_mb, label
+        self.model = _build_model(cfg.model, cfg.seed)
+        self.sync = self.timer = None
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.forward = DistributedDataParallel(self.model, bucket_cap_mb=bucket_mb)
+            self.timer = _CommTimer(dist.get_world_size())
+            self.forward.register_comm_hook(self.timer, _timed_allreduce_hook)
+        else:
+            self.sync = GradSync(self.model, bucket_mb=bucket_mb, mode=kind)
+            self.forward = self.model
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.records: list[dict] = []
+        self.steps = 0
+
+    def step(self, x, keep: bool) -> None:
+        """One training step on batch ``x``; its record is kept when ``keep``."""
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+        batch = x                      # the data is already in memory: data wait is ~0 by design
+        t1, c1 = time.perf_counter(), time.thread_time()
+        loss = self.forward(input_ids=batch, labels=batch).loss
+        t2, c2 = time.perf_counter(), time.thread_time()
+        loss.backward()
+        t3, c3 = time.perf_counter(), time.thread_time()
+        if self.sync is not None:
+            self.sync.finish()
+        t4 = time.perf_counter()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        t5, c5, p5 = time.perf_counter(), time.thread_time(), time.process_time()
+        self.steps += 1
+        if self.sync is not None:
+            st = self.sync.stats
+            backward, busy, exposed, collectives = t3 - t2, st.comm_busy_ms, st.exposed_comm_ms, st.num_collectives
+        else:
+            spans = self.timer.take()
+            # The last bucket is launched when backward has produced its last gradient; what
+            # loss.backward() spends after that is DDP waiting for its reductions.
+            last = max((a for a, _ in spans), default=t3)
+            backward = min(max(last - t2, 0.0), t3 - t2)
+            # The same "in flight" measure GradSync reports as comm_busy_ms.
+            busy, exposed, collectives = union_length(spans) * 1e3, (t3 - t2 - backward) * 1e3, len(spans)
+        if keep:
+            self.records.append({
+                "data_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "backward_ms": backward * 1e3,
+                "comm_busy_ms": busy, "exposed_comm_ms": exposed, "sync_ms": (t4 - t3) * 1e3,
+                "optimizer_ms": (t5 - t4) * 1e3, "step_ms": (t5 - t0) * 1e3, "collectives": collectives,
+                # Share of a core this rank's compute thread got: well below 1 means another
+                # process (or gloo's threads) took the core. DDP's backward also waits for its
+                # buckets, which costs no CPU, so its share is taken over the compute part.
+                "forward_cpu_share": (c2 - c1) / (t2 - t1), "backward_cpu_share": (c3 - c2) / max(backward, 1e-9),
+                # CPU time of this process's other threads (gloo's send/receive/reduce threads):
+                # on a machine with a core per rank, that is time taken from compute.
+                "comm_threads_cpu_ms": ((p5 - p0) - (c5 - c0)) * 1e3,
+                "loss": float(loss.detach()),
+            })
+
+    def result(self) -> dict:
+        tuned = self.sync.bucket_mb if self.sync is not None and self.bucket_mb == "auto" else self.bucket_mb
+        tuning = getattr(self.sync, "tuning_result", None)
+        return {"kind": self.kind, "bucket_mb": tuned, "tuning": dataclasses.asdict(tuning) if tuning else None,
+                "buckets": len(self.sync.buckets) if self.sync is not None else None, "records": self.records}
+
+    def close(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+        self.model = self.forward = self.sync = self.opt = None
+
+
+def _run_interleaved(sessions: list[_Session], cfg: BenchConfig, batches: list, progress: _Progress) -> None:
+    """Warm every session up, then time them in rounds, round-robin.
+
+    Interleaving spreads slow phases of a shared machine (another job, frequency changes) over
+    all modes instead of charging them to whichever mode ran at that moment.
+    """
+    import torch.distributed as dist
+
+    for s in sessions:
+        dist.barrier()   # start together: a step's time should not include a peer's setup
+        for i in range(cfg.warmup):
+            s.step(batches[s.steps % len(batches)], keep=False)
+            progress.step(s.label, i + 1, cfg.warmup, "warm-up")
+        # bucket_mb="auto" tries caps in its first steps; time it only once it has chosen. The
+        # choice is collective, so every rank leaves this loop at the same step.
+        extra = 0
+        while s.sync is not None and s.sync.tuning is not None and extra < AUTO_TUNING_MAX_STEPS:
+            s.step(batches[s.steps % len(batches)], keep=False)
+            extra += 1
+    rounds = max(1, min(cfg.rounds, cfg.steps))
+    for r in range(rounds):
+        for s in sessions:
+            n = cfg.steps // rounds + (r < cfg.steps % rounds)
+            dist.barrier()
+            for i in range(n):
+                s.step(batches[s.steps % len(batches)], keep=True)
+                progress.step(s.label, len(s.records), cfg.steps, f"round {r + 1}/{rounds}")
+
+
+def rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict:
+    """One rank of the benchmark: the same sessions, in the same order, on every rank.
+
+    Phase 1 sweeps DDP's bucket size (when ddp-best or overlap-best is asked for) and agrees
+    on the best; phase 2 runs the compared modes side by side, interleaved.
+    """
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from .link import SimulatedLink, measure_allreduce
+
+    transformers.logging.set_verbosity_error()
+    cfg = BenchConfig.from_dict(cfg_dict)
+    spec = cfg.model
+    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)   # each rank its own shard
+    batches = [torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_len), generator=gen) for _ in range(4)]
+    params = sum(p.numel() for p in _build_model(spec, cfg.seed).parameters())
+
+    sweep = "ddp-best" in cfg.modes or "overlap-best" in cfg.modes
+    sweep_runs = [None, *cfg.ddp_buckets] if sweep else []
+    main_runs = (["serial"] * ("serial" in cfg.modes) + ["ddp-default"] * ("ddp-default" in cfg.modes)
+                 + ["ddp-best"] * ("ddp-best" in cfg.modes) + ["overlap"] * ("overlap" in cfg.modes)
+                 + ["overlap-best"] * ("overlap-best" in cfg.modes) + ["overlap-auto"] * ("overlap-auto" in cfg.modes))
+    total = (len(sweep_runs) + len(main_runs)) * (cfg.warmup + cfg.steps)
+    progress = _Progress(total, enabled=rank == 0)
+
+    link = SimulatedLink(shaping["rate_mbit"], shaping["latency_ms"]) if shaping["kind"] == "simulated" else None
+    sweep_results: dict[str, dict] = {}
+    runs: dict[str, dict] = {}
+    best_mb, load = None, [os.getloadavg()[0]]
+    with link.installed() if link is not None else contextlib.nullcontext():
+        calibration = measure_allreduce(min(8 * 2**20, params * 4))
+        if sweep:
+            sessions = [_Session("ddp", mb, cfg, "ddp@default" if mb is None else f"ddp@{mb:g}") for mb in sweep_runs]
+            _run_interleaved(sessions, cfg, batches, progress)
+            for s in sessions:
+                sweep_results[s.label] = s.result()
+                s.close()
+            del sessions
+            gc.collect()
+            # Every rank must pick the same best bucket, by the statistic the report shows: per
+            # step the slowest rank, then the median over steps.
+            steps = torch.tensor([[r["step_ms"] for r in res["records"]] for res in sweep_results.values()],
+                                 dtype=torch.float64)
+            dist.all_reduce(steps, op=dist.ReduceOp.MAX)
+            medians = [statistics.median(row) for row in steps.tolist()]
+            best_mb = sweep_runs[medians.index(min(medians))]
+        load.append(os.getloadavg()[0])
+        # (kind, bucket_mb) of each mode; GradSync's modes default to DDP's cap, as GradSync does.
+        specs = {"serial": ("serial", DDP_BUCKET_MB), "ddp-default": ("ddp", None), "ddp-best": ("ddp", best_mb),
+                 "overlap": ("overlap", DDP_BUCKET_MB),
+                 "overlap-best": ("overlap", DDP_BUCKET_MB if best_mb is None else best_mb),
+                 "overlap-auto": ("overlap", "auto")}
+        sessions = [_Session(*specs[m], cfg, m) for m in main_runs]
+        _run_interleaved(sessions, cfg, batches, progress)
+        for s in sessions:
+            runs[s.label] = s.result()
+            s.close()
+        load.append(os.getloadavg()[0])
+    return {"runs": runs, "sweep": sweep_results, "best_ddp_bucket_mb": best_mb,
+            "calibration": calibration, "params": params, "num_threads": torch.get_num_threads(),
+            "loadavg_1min": load}

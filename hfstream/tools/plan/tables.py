@@ -1,0 +1,48 @@
+"""The text table of a `plan` document: one line per world size, then where overlap stops being complete.
+
+What ``hfstream plan`` prints; the figure of the same document is `hfstream.tools.plot.plot_plan`.
+"""
+
+from __future__ import annotations
+
+from .shapes import _count_str
+
+
+def _ms(v: float) -> str:
+    return f"{v:.3g}" if v < 10 else f"{v:.1f}" if v < 1e4 else f"{v:.3g}"
+
+
+def format_plan_table(doc: dict) -> str:
+    """The human-readable table of a `plan` document."""
+    inp, m, b = doc["inputs"], doc["model"], doc["buckets"]
+    compute = (f"{doc['compute_tflops']:.4g} TFLOP/s achieved" if inp["compute_tflops"] is not None
+               else f"{inp['peak_tflops']:g} TFLOP/s peak x {inp['mfu']:g} MFU")
+    lines = [
+        f"hfstream plan | {m['name']}: {_count_str(m['params'])} params, {doc['grad_bytes_total'] / 2**30:.3g} GiB of "
+        f"{inp['grad_bytes']}-byte gradients in {b['count']} bucket(s) (cap {inp['bucket_mb']} MiB"
+        + (f", first {inp['first_bucket_mb']:g}" if inp["first_bucket_mb"] else "") + ")",
+        f"{inp['tokens_per_device']:,} tokens per device per step; {doc['step_flops']:.3g} FLOP per device per step "
+        f"at {compute} | link {inp['link_gbs']:g} GB/s per device, {inp['latency_us']:g} us per ring step | "
+        f"optimizer {inp['optimizer_bytes_per_param']:g} B/param at {inp['mem_bandwidth_gbs']:.4g} GB/s",
+        "ms per step; exposed = communication the step waits for; eff = ceiling / step",
+        "",
+        f"{'N':>5}{'2(N-1)/N':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}{'comm busy':>10}{'last bkt':>9}"
+        f"{'exp serial':>11}{'exp overlap':>12}{'step serial':>12}{'step overlap':>13}{'ceiling':>9}"
+        f"{'eff ser':>8}{'eff ovl':>8}",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"{r['world_size']:>5}{r['ring_factor']:>9.3f}{_ms(r['forward_ms']):>8}{_ms(r['backward_ms']):>8}"
+            f"{_ms(r['optimizer_ms']):>7}{_ms(r['comm_busy_ms']):>10}{_ms(r['last_bucket_ms']):>9}"
+            f"{_ms(r['exposed_serial_ms']):>11}{_ms(r['exposed_overlap_ms']):>12}{_ms(r['step_serial_ms']):>12}"
+            f"{_ms(r['step_overlap_ms']):>13}{_ms(r['ideal_ms']):>9}{r['efficiency_serial']:>8.2f}"
+            f"{r['efficiency_overlap']:>8.2f}" + ("" if r["overlap_complete"] else "  comm > bwd"))
+    limit = doc["overlap_incomplete_from"]
+    if limit is None:
+        lines.append("comm busy stays below backward at every world size: overlap can hide it all but the last bucket")
+    else:
+        upto = f"overlap complete up to N = {limit - 1:,}" if limit > 2 else "already with two devices"
+        lines.append(f"comm busy exceeds backward from N = {limit:,} ({upto}); from there on the ceiling is set "
+                     f"by the link, not by compute")
+    lines.append("the last bucket's reduction starts when backward ends, so even with overlap it is always exposed")
+    return "\n".join(lines)
