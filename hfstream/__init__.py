@@ -4,9 +4,10 @@ training, and measure how close each step comes to its ceiling.
     >>> from hfstream import StreamTrainer, StreamTrainingArguments   # the two-name migration
     >>> from hfstream import GradSync, StreamPrefetcher               # the building blocks
 
-The names are imported on first use (PEP 562), so ``hfstream plan`` and other tools that need
-neither torch nor transformers start at once. `hfstream.tools.data` (local corpus, byte-level
-tokenizer) imports `datasets`; nothing on the library's import path does.
+The names are imported on first use (PEP 562): ``import hfstream`` is cheap, and
+``from hfstream import GradSync`` loads torch but not transformers. The training path lives in
+this package; what a person runs beside training is in `hfstream.tools` (docs/design.md
+section 3). `hfstream.tools.data` imports `datasets`; nothing on the training path does.
 """
 
 from __future__ import annotations

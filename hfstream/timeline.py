@@ -2,7 +2,7 @@
 the best achievable step.
 
 A data-parallel step is data wait + forward + backward + exposed communication + optimizer.
-Only backward can hide communication, so the per-step ceiling (DESIGN.md section 4) is
+Only backward can hide communication, so the per-step ceiling (docs/design.md section 4) is
 
     ideal = forward + max(backward, comm_busy) + optimizer          (data fully hidden)
 

@@ -343,7 +343,7 @@ class StreamTrainerMixin:
         """The step breakdown against the ceiling for the last `train()` call.
 
         A dict with ``mean`` (averaged over ranks) and ``per_rank`` (each rank's mean over its
-        steps after the first), each holding the fields of DESIGN.md section 4, and ``spans``
+        steps after the first), each holding the fields of docs/design.md section 4, and ``spans``
         (every rank's timeline of its last few steps, for `hfstream.tools.plot.plot_timeline`);
         ``print()`` shows it as a table. Local and cheap: the gathering happened when training
         ended, on every rank.

@@ -2,10 +2,9 @@
 
 Collectives wait on every peer. When a peer dies, gloo and NCCL notice the closed connection;
 when a peer is alive but stopped (SIGSTOP, a debugger, a data loader stuck on a network file
-system) nothing closes, and on gloo a plain ``Work.wait()`` never returns: measured on this
-project's CPU machine, a stock Trainer with ``ddp_timeout=20`` whose peer froze at step 4 was
-still waiting 150 s later. `GradSync.finish` waits with a timeout; this watchdog covers the
-rest of the step (forward, backward, a native DDP reduction) in two stages:
+system) nothing closes, and on gloo a plain ``Work.wait()`` never returns (a stock Trainer
+waits forever: docs/benchmarks.md, "Staying up"). `GradSync.finish` waits with a timeout;
+this watchdog covers the rest of the step (forward, backward, a native DDP reduction) in two stages:
 
 1. after ``report_after_s`` inside one step, log, per rank, what the step still waits for
    (`GradSync.pending_report`: buckets that never became ready and the parameters whose
