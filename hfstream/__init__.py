@@ -24,11 +24,13 @@ _EXPORTS = {
     "StreamTrainer": "hfstream.trainer",
     "StreamTrainerMixin": "hfstream.trainer",
     "StreamTrainingArguments": "hfstream.args",
+    "stream_arguments": "hfstream.combined_args",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load lazily
     from .args import StreamTrainingArguments
+    from .combined_args import stream_arguments
     from .gradsync import GradSync
     from .prefetch import StreamPrefetcher
     from .trainer import StreamReport, StreamTrainer, StreamTrainerMixin

@@ -17,6 +17,14 @@ How the new fields meet the existing ones (never two names for one thing):
       with no accelerator: otherwise Transformers silently trains each CPU rank on its own.
     - ``ddp_find_unused_parameters`` has no effect under ``"overlap"``/``"serial"``: hfstream
       always handles parameters whose gradient never arrives (see `GradSync.finish`).
+
+With another `TrainingArguments` subclass (TRL's ``SFTConfig``, a project's own): use
+``stream_arguments(SFTConfig)``, or put the other class first, ``@dataclass class Args(SFTConfig,
+StreamTrainingArguments)``. The other order would give every field the other class overrides
+(``SFTConfig``'s ``bf16``, ``learning_rate``, ...) `TrainingArguments`' default again, because a
+dataclass takes each field from the last base in reverse MRO order that has it, and
+`StreamTrainingArguments` carries all of `TrainingArguments`' fields; `__post_init__` refuses
+such a class with a `TypeError` that names the fields.
 """
 
 from __future__ import annotations
@@ -109,6 +117,9 @@ class StreamTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        from .combined_args import check_field_defaults
+
+        check_field_defaults(type(self))   # another TrainingArguments subclass's defaults must survive
         self._validate_stream_fields()
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
             logger.info("hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
