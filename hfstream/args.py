@@ -37,12 +37,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
-from .gradsync.options import COMM_DTYPES, STREAM_PRIORITIES, comm_dtype_name
+from .gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, STREAM_PRIORITIES, comm_dtype_name
 
 GRAD_SYNC_MODES = ("auto", "overlap", "serial", "native")
-# "auto" became the default once it beat the fixed 25 MiB cap in the benchmark
-# (docs/benchmarks.md): the bucket cap is tuned from measured communication in the first steps.
-DEFAULT_BUCKET_MB = "auto"
 
 logger = logging.getLogger(__name__)
 

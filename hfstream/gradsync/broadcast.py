@@ -15,9 +15,11 @@ BROADCAST_CHUNK_MB = 64.0   # size of one coalesced broadcast
 
 
 @torch.no_grad()
-def broadcast_from_rank0(model: torch.nn.Module, group) -> None:
-    """Overwrite every parameter and buffer of ``model`` with rank 0's (of ``group``), in place."""
-    tensors = [*model.named_parameters(), *model.named_buffers()]
+def broadcast_from_rank0(model: torch.nn.Module, group, buffers_only: bool = False) -> None:
+    """Overwrite every parameter and buffer of ``model`` (only buffers: ``buffers_only``) with rank 0's."""
+    tensors = [*([] if buffers_only else model.named_parameters()), *model.named_buffers()]
+    if not tensors:
+        return
     by_name = dict(tensors)
     src = dist.get_global_rank(group, 0)
     for chunk in plan_buckets(tensors, BROADCAST_CHUNK_MB):

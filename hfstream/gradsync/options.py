@@ -16,6 +16,7 @@ STREAM_PRIORITIES = tuple(streams.PRIORITIES)   # "normal", "high"
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}          # wire dtypes, by their short name
 COMM_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
 DEFAULT_TIMEOUT_S = 1800.0   # torch's default process-group timeout
+DEFAULT_BUCKET_MB = "auto"   # GradSync's and StreamTrainingArguments' default cap: tuned online
 
 
 def comm_dtype_name(value, argument: str = "comm_dtype") -> str | None:

@@ -23,6 +23,8 @@ class SyncStats:
             reduction had completed (leftover launches included). On an accelerator: the time
             the compute stream stalled waiting, from events.
         num_collectives: collectives launched in that step (one per bucket).
+        launched_in_backward: of those, how many the gradient hooks launched while backward ran
+            (the rest were launched by ``finish()``: their communication could not overlap).
         bucket_spans: ``(bucket index, launch time, finish time)`` in ``time.perf_counter()``
             seconds, in launch order. On an accelerator a span's length comes from device
             events and is placed at the host time the first bucket was launched.
@@ -31,6 +33,7 @@ class SyncStats:
     comm_busy_ms: float = 0.0
     exposed_comm_ms: float = 0.0
     num_collectives: int = 0
+    launched_in_backward: int = 0
     bucket_spans: list[tuple[int, float, float]] = field(default_factory=list)
 
 
@@ -52,12 +55,13 @@ class StatsRecorder:
     """Collects one step's timings from GradSync and turns them into `SyncStats` when asked.
 
     GradSync calls `launched` and `completed` per bucket, `finish_entered`/`finish_left` around
-    its wait; `stats` resolves the device events (a sync, so only when someone reads it).
+    its wait. `stats` resolves the last step (on an accelerator: waits for its events);
+    `deferred` hands out a function that resolves *that* step later, so a reader that can wait a
+    step (the Trainer's report) never makes the host wait for the device.
     """
 
     def __init__(self):
-        self._stats = SyncStats()
-        self._pending = None   # (launches, host exposed ms, compute-stream waits) of the last step
+        self._last = _StepTimes([], 0.0, {}, 0)
 
     @staticmethod
     def launched(st, stream) -> None:
@@ -92,20 +96,37 @@ class StatsRecorder:
             after.record(streams.current_stream(d))
         launches = [(st.plan.index, st.plan.device, st.launch_time, st.end_time, st.start_event, st.end_event)
                     for st in launched_states]
-        self._pending = (launches, (t_done - t_enter) * 1e3, waits)
+        early = sum(1 for st in launched_states if st.launch_time is not None and st.launch_time < t_enter)
+        self._last = _StepTimes(launches, (t_done - t_enter) * 1e3, waits, early)
         if not waits:
-            self._resolve()   # host times only: nothing to wait for
+            self._last.resolve()   # host times only: nothing to wait for
 
     @property
     def stats(self) -> SyncStats:
-        self._resolve()
-        return self._stats
+        return self._last.resolve()
 
-    def _resolve(self) -> None:
-        if self._pending is None:
-            return
-        launches, host_exposed_ms, waits = self._pending
-        self._pending = None
+    @property
+    def launched_in_backward(self) -> int:
+        """The last step's count of buckets launched by the hooks (a host count: never waits)."""
+        return self._last.launched_in_backward
+
+    def deferred(self):
+        """A function returning the last step's `SyncStats`, to call once its events are long done."""
+        return self._last.resolve
+
+
+class _StepTimes:
+    """One step's raw timings; `resolve` turns them into `SyncStats` once (then cached)."""
+
+    def __init__(self, launches: list, host_exposed_ms: float, waits: dict, launched_in_backward: int):
+        self._raw = (launches, host_exposed_ms, waits)
+        self.launched_in_backward = launched_in_backward
+        self._stats: SyncStats | None = None
+
+    def resolve(self) -> SyncStats:
+        if self._stats is not None:
+            return self._stats
+        launches, host_exposed_ms, waits = self._raw
         # Device spans are measured from the device's first start event and placed at the host
         # time of that first launch: lengths and gaps are device times, the anchor is the host's.
         anchors: dict = {}
@@ -126,5 +147,8 @@ class StatsRecorder:
             comm_busy_ms=union_length([(a, b) for _, a, b in spans]) * 1e3,
             exposed_comm_ms=exposed,
             num_collectives=len(spans),
+            launched_in_backward=self.launched_in_backward,
             bucket_spans=spans,
         )
+        self._raw = None   # the events are no longer needed
+        return self._stats

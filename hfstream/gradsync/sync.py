@@ -22,16 +22,17 @@ buckets are launched in the same (plan) order on every rank, even if a later buc
 first; and every bucket is launched every synchronised step, even if a parameter got no
 gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
 
-    sync = GradSync(model, bucket_mb=1.0)          # broadcasts rank 0's weights, plans, hooks
+    sync = GradSync(model)                         # broadcasts rank 0's weights, plans, hooks
     for k, batch in enumerate(micro_batches):
         with sync.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
             model(**batch).loss.backward()         # the last one launches buckets as it goes
     sync.finish()                                  # .grad is now the mean over ranks
     optimizer.step(); optimizer.zero_grad()
 
-Beside this core: `buckets` (the plan), `stats` (what communication cost), `faults` (bounded
-waits, what a stuck step waits for), `tune` (``bucket_mb="auto"``), `registry` (one GradSync
-per model), `broadcast` (rank 0's weights), `options` (the accepted argument values).
+Beside this core: `buckets` (the plan), `order` (planned in the order gradients arrive), `stats`
+(what communication cost), `faults` (bounded waits, what a stuck step waits for), `tune`
+(``bucket_mb="auto"``), `registry` (one GradSync per model), `broadcast` (rank 0's weights),
+`options` (the accepted argument values).
 """
 
 from __future__ import annotations
@@ -50,11 +51,16 @@ from .. import streams
 from . import faults, registry
 from .broadcast import broadcast_from_rank0
 from .buckets import DDP_BUCKET_MB, Bucket, plan_buckets
-from .options import COMM_DTYPES, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
+from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
+from .order import ArrivalOrder, planning_sequence
 from .stats import StatsRecorder, SyncStats
 from .tune import AutoBucketCap, BucketTuner, TuningResult
 
 logger = logging.getLogger(__name__)
+
+# Gradients that all arrive within this fraction of a step arrived "at once": nothing to overlap.
+NO_SPREAD = 0.02
+SUSPECT_STEPS = 3   # consecutive synchronised steps before overlap is reported lost
 
 
 class _BucketState:
@@ -91,8 +97,9 @@ class GradSync:
         model: the module to hook, in place (no wrapper).
         bucket_mb: bucket cap in MiB, DDP's ``bucket_cap_mb`` rule: a bucket is filled until it
             *reaches* the cap; a parameter is never split. 0 = one parameter per bucket,
-            ``float('inf')`` = one bucket per (dtype, device), ``"auto"`` = tuned online in the
-            first synchronised steps, the same on every rank (`hfstream.gradsync.tune`).
+            ``float('inf')`` = one bucket per (dtype, device), ``"auto"`` (default, as in the
+            Trainer) = tuned online in the first synchronised steps, the same on every rank
+            (`hfstream.gradsync.tune`): DDP's fixed 25 MiB is often far from the best cap.
         mode: ``"overlap"`` launches each bucket from the hooks as soon as it is complete;
             ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured against).
         process_group: the data-parallel group; None = the default group.
@@ -107,6 +114,9 @@ class GradSync:
             ``bucket_mb``. DDP uses 1 MiB there; off by default (docs/benchmarks.md).
         timeout: seconds ``finish()`` waits before it raises, naming what did not complete
             (default 1800, torch's own; the Trainer passes ``ddp_timeout``). See `faults`.
+        broadcast_buffers: also copy rank 0's buffers to every rank before each training forward
+            (DDP's ``broadcast_buffers=True``; one collective per forward). Off by default:
+            buffers are broadcast once, at construction.
 
     A parameter whose hook did not fire in the synchronised backward still travels in its bucket
     (its ``.grad`` from ``no_sync()`` steps, or zeros), so every rank launches the same
@@ -114,10 +124,15 @@ class GradSync:
     flag per parameter travels too: one that *no* rank used keeps ``.grad`` untouched (None stays
     None), one that some rank used gets the mean, as ``DistributedDataParallel(find_unused_parameters=True)``.
 
+    A training forward outside ``no_sync()`` announces a synchronised step: ``finish()`` then
+    launches every bucket even on a rank whose backward fired no hook, so its peers never wait
+    for it. After the first synchronised step the buckets are re-planned in the order the
+    gradients arrived on rank 0 (`order`), so a parameter no rank uses costs only its own bucket.
+
     Construct it after the model has its final device, dtype and frozen parameters (``close()``
-    and construct again after a change). Buffers are broadcast once, at construction, not before
-    every forward. A gradient that arrives after its bucket was launched raises: call
-    ``finish()`` after each synchronised backward and use ``checkpoint(..., use_reentrant=False)``.
+    and construct again after a change). A gradient that arrives after its bucket was launched
+    raises: call ``finish()`` after each synchronised backward and use
+    ``checkpoint(..., use_reentrant=False)``.
 
     Attributes:
         buckets: the plan, a list of `Bucket` (index, names, numel, nbytes, dtype, device).
@@ -126,18 +141,21 @@ class GradSync:
         require_backward_grad_sync: False makes the hooks only note that a gradient arrived, as
             under ``no_sync()`` (DDP's and Accelerate's name).
         world_size: ranks in the group; 1 (or no process group) means GradSync does nothing.
+        notes: what was given up and why (e.g. "overlap lost ..."), each also logged once.
+        closed: True after `close()`.
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        bucket_mb: float | str = DDP_BUCKET_MB,
+        bucket_mb: float | str = DEFAULT_BUCKET_MB,
         mode: str = "overlap",
         process_group: dist.ProcessGroup | None = None,
         comm_dtype: str | torch.dtype | None = None,
         comm_stream_priority: str = "high",
         first_bucket_mb: float | None = None,
         timeout: float | None = None,
+        broadcast_buffers: bool = False,
     ):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -148,6 +166,7 @@ class GradSync:
         self.first_bucket_mb = first_bucket_mb
         self.comm_dtype = COMM_DTYPES[wire] if wire is not None else None
         self.comm_stream_priority = comm_stream_priority
+        self.broadcast_buffers = bool(broadcast_buffers)
         self.require_backward_grad_sync = True
 
         self._named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -160,6 +179,8 @@ class GradSync:
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self._active = self.world_size > 1
+        self.closed = False
+        self._abandoned: list = []   # (buffer, work) of collectives that never completed
         self._handles: list = []
         self._states: list[_BucketState] = []
         self._where: list[tuple[_BucketState, int]] = []   # per hooked parameter: its bucket and slot
@@ -168,6 +189,12 @@ class GradSync:
         self._recorder = StatsRecorder()
         self._auto: AutoBucketCap | None = None
         self.tuning_result: TuningResult | None = None
+        self._plan_named = list(self._named)   # what the planner walks (backwards): registration order at first
+        self._arrival = ArrivalOrder(len(self._named))
+        self._agree_device = self._named[-1][1].device if self._named else torch.device("cpu")
+        self._steps = 0                         # synchronised steps finished
+        self.notes: list[str] = []              # what was given up, and why (said once, in the log too)
+        self._suspect_steps = 0                 # consecutive steps whose reductions could not overlap
 
         auto = bucket_mb == "auto"
         self.bucket_mb: float | str = DDP_BUCKET_MB if auto else float(bucket_mb)
@@ -175,8 +202,7 @@ class GradSync:
         if auto and self._active:
             # Every rank prunes the same candidates from the same model, so all agree on the
             # schedule without talking; only the final choice needs a collective (tune.py).
-            device = self._named[-1][1].device if self._named else torch.device("cpu")
-            self._auto = AutoBucketCap(self._plan_for, process_group, device)
+            self._auto = AutoBucketCap(self._plan_for, process_group, self._agree_device)
             self.bucket_mb, self._planned_mb = "auto", self._auto.current_mb
         self.buckets: list[Bucket] = self._plan_for(self._planned_mb)
         self._reset_step()
@@ -187,6 +213,7 @@ class GradSync:
                 # The hook knows the parameter's position only: _where maps it to its current
                 # bucket, so re-planning (bucket_mb="auto") needs no new hooks.
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)))
+            self._handles.append(model.register_forward_pre_hook(self._on_forward))
             self._hint_nccl_priority()
 
     @property
@@ -195,11 +222,16 @@ class GradSync:
         return self._auto.tuner if self._auto is not None else None
 
     @property
+    def broken(self) -> bool:
+        """True once a reduction failed to complete: its collectives may still be in flight."""
+        return bool(self._abandoned)
+
+    @property
     def rank(self) -> int:
         return dist.get_rank(self.process_group) if self.process_group is not None else 0
 
     def _plan_for(self, cap_mb: float) -> list[Bucket]:
-        return plan_buckets(self._named, cap_mb, self.first_bucket_mb)
+        return plan_buckets(self._plan_named, cap_mb, self.first_bucket_mb)
 
     def _build_states(self) -> None:
         """Run-time state for ``self.buckets``; points every parameter's hook at its bucket."""
@@ -213,7 +245,8 @@ class GradSync:
             self._states.append(st)
             for slot, p in enumerate(st.params):
                 self._where[index[id(p)]] = (st, slot)
-            if streams.is_accelerator(plan.device) and plan.device not in self._streams:
+            if (streams.is_accelerator(plan.device) and plan.device not in self._streams
+                    and streams.has_side_streams(plan.device)):
                 self._streams[plan.device] = streams.new_stream(plan.device, self.comm_stream_priority)
 
     def _hint_nccl_priority(self) -> None:
@@ -232,6 +265,20 @@ class GradSync:
                         "to raise it (GradSync packs buckets on a high-priority stream either way)")
 
     # -- where gradients leave -------------------------------------------------------------------
+    def _on_forward(self, module: torch.nn.Module, _args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if self.require_backward_grad_sync:
+            self._forward_time = time.perf_counter()
+            # A synchronised forward promises a synchronised backward. If this rank's backward then
+            # fires no hook (no parameter used on its batch), finish() must still launch every
+            # bucket, or the peers wait for it until the timeout. DDP's forward prepares its
+            # reducer the same way.
+            with self._lock:
+                self._sync_pending = True
+        if self.broadcast_buffers:
+            broadcast_from_rank0(self.model, self.process_group, buffers_only=True)
+
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
             st, slot = self._where[i]
@@ -245,10 +292,14 @@ class GradSync:
             st.used[slot] = True
             if not self.require_backward_grad_sync:
                 return   # accumulation micro-step: the gradient just accumulates locally
-            if not self._sync_pending:
-                self._sync_pending = True
+            self._sync_pending = True
+            self._last_hook = time.perf_counter()
+            if self._first_hook is None:
+                self._first_hook = self._last_hook
                 if self._auto is not None:
                     self._auto.step_started(param)
+            if not self._arrival.done:
+                self._arrival.arrived(i)
             if self.mode == "serial" or st.ready[slot]:
                 return
             st.ready[slot] = True
@@ -256,8 +307,10 @@ class GradSync:
             # Launch in plan order only: collectives are matched by the order they are issued, so a
             # bucket that completes early waits for the ones before it (they complete soon after).
             states = self._states
+            t0 = time.perf_counter()
             while self._next < len(states) and states[self._next].pending == 0:
                 self._launch(states[self._next])
+            self._launching_s += time.perf_counter() - t0
 
     def _launch(self, st: _BucketState) -> None:
         device = st.plan.device
@@ -324,6 +377,10 @@ class GradSync:
                                              faults.backend_enforces_timeout(self.process_group), write_back)
         if failed:
             report = self.pending_report()
+            # A collective that did not complete may still read or write its buffer (gloo's thread
+            # waits on the peer): keep the buffers and the works alive for the life of this
+            # process, or freeing them under it blocks the process at exit.
+            self._abandoned.extend((st.buffer, st.work) for st in self._states if st.work is not None)
             self._reset_step()
             raise RuntimeError(faults.failure_message(self.rank, failed, self.timeout_s, error, report)) from error
         for st in self._states:
@@ -333,7 +390,14 @@ class GradSync:
             # orders it after the packing, so the next step's writes to .grad cannot race it.
             streams.current_stream(d).wait_stream(stream)
         self._recorder.finish_left([self._states[i] for i in self._launch_order], t_enter, t_done[0], waits)
+        spread = None if self._first_hook is None else self._last_hook - self._first_hook - self._launching_s
+        times = (self._forward_time, spread, t_enter)
         self._reset_step()
+        self._steps += 1
+        if not self._arrival.done:
+            self._plan_in_arrival_order()
+        elif self.mode == "overlap" and not self.notes:
+            self._check_overlap(*times)
         if self._auto is not None:
             self._tune_step()
 
@@ -355,6 +419,38 @@ class GradSync:
             means.append(mean)
         if grads:
             torch._foreach_copy_(grads, means)   # one fused copy per bucket; casts back from a compressed wire
+
+    def _plan_in_arrival_order(self) -> None:
+        """After the first synchronised step, on every rank alike: plan in rank 0's arrival order."""
+        order = self._arrival.agree(self.process_group, self._agree_device)
+        self._plan_named = planning_sequence(self._named, order)
+        before = [b.names for b in self.buckets]
+        self._replan(self._planned_mb)
+        if [b.names for b in self.buckets] != before:
+            logger.info("GradSync: buckets re-planned in the order gradients arrived in the first step (%d buckets)",
+                        len(self.buckets))
+
+    def _check_overlap(self, t_forward, spread, t_enter) -> None:
+        """Say once, with the reason, when a step's reductions could not overlap its backward."""
+        if len(self.buckets) < 2:
+            return   # one bucket (bucket_mb=inf): nothing can launch before the last gradient, by choice
+        why = None
+        if self._recorder.launched_in_backward == 0:
+            why = (f"no bucket was launched while backward ran: all {len(self.buckets)} waited for finish() "
+                   f"(the first bucket, {', '.join(self.buckets[0].names[:4])}, never completed in backward)")
+        elif t_forward is not None and spread is not None and spread < NO_SPREAD * (t_enter - t_forward):
+            why = (f"every gradient arrived at once, at the end of backward ({max(spread, 0) * 1e3:.2f} ms "
+                   f"apart in a {(t_enter - t_forward) * 1e3:.1f} ms step): the backward returns all gradients "
+                   f"together, as a compiled model (torch.compile) does without graph breaks at bucket boundaries; "
+                   f"grad_sync='native' gets DDP's graph splitting")
+        # One odd step (a tiny model whose whole backward takes less than a launch) is not a
+        # pattern: say it only when it holds for several steps in a row.
+        self._suspect_steps = self._suspect_steps + 1 if why else 0
+        if self._suspect_steps < SUSPECT_STEPS:
+            return
+        note = f"GradSync: overlap lost in synchronised steps {self._steps - SUSPECT_STEPS + 1}-{self._steps}: {why}."
+        self.notes.append(note)
+        logger.warning(note)
 
     def _tune_step(self) -> None:
         """Between steps, on every rank alike: score the step, then plan the next cap (or the choice)."""
@@ -379,6 +475,14 @@ class GradSync:
     def stats(self) -> SyncStats:
         """The last synchronised step's `SyncStats` (on an accelerator, reading waits for its events)."""
         return self._recorder.stats
+
+    def stats_deferred(self):
+        """A function that returns the last step's `SyncStats` when called, later.
+
+        On an accelerator reading `stats` waits for the step's events; a reader that can wait
+        (the Trainer's report, a step or more later) keeps the host ahead of the device this way.
+        """
+        return self._recorder.deferred()
 
     def pending_report(self) -> str:
         """What the current synchronised step still waits for, on this rank ("" when nothing).
@@ -405,7 +509,10 @@ class GradSync:
             st.reset()
         self._next = 0                  # next bucket to launch, in plan order
         self._launch_order: list[int] = []
-        self._sync_pending = False      # a hook fired outside no_sync() since the last finish()
+        self._sync_pending = False      # a synchronised forward or hook since the last finish()
+        self._first_hook = self._last_hook = None   # host times of this step's synchronised hooks
+        self._forward_time = None                  # host time of this step's synchronised forward
+        self._launching_s = 0.0                    # host time the hooks spent launching buckets
 
     def close(self) -> None:
         """Remove every hook and release the buffers; a new GradSync may then hook the model.
@@ -420,6 +527,7 @@ class GradSync:
         for st in self._states:
             st.buffer, st.views, st.flags = None, [], None
         self._active = False
+        self.closed = True
 
     def __enter__(self) -> "GradSync":
         return self
