@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -32,6 +33,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 
 from hfstream import streams
+
+logger = logging.getLogger(__name__)
 
 THREAD_PREFIX = "hfstream-prefetch"
 _POLL_S = 0.05            # how often a blocked producer/consumer re-checks the stop flag
@@ -400,6 +403,11 @@ class StreamPrefetcher:
             already pinned are left alone). ``None`` (auto): pin when ``non_blocking``, and stop
             trying if the backend cannot pin.
         time_copies: measure ``stats.copy_ms``/``copy_gbps`` with timing events (costs a little).
+        source_issues_collectives: the source itself communicates across ranks (Accelerate's
+            ``DataLoaderDispatcher`` broadcasts every batch from rank 0). It is then pulled only on
+            the consumer's thread, in step order, so its collectives never interleave with the
+            training step's: on an accelerator the copies still run ahead on the side stream; on
+            CPU no background thread prepares batches (said once in the log).
 
     Stopping early (``break``, an exception, garbage collection, ``close()``, leaving a ``with``
     block) stops the thread and frees the batches in flight. An exception from ``iterable``
@@ -420,6 +428,7 @@ class StreamPrefetcher:
         stream_priority: Union[str, int] = "normal",
         pin_memory: Optional[bool] = None,
         time_copies: bool = False,
+        source_issues_collectives: bool = False,
     ):
         if not (hasattr(type(iterable), "__iter__") or hasattr(type(iterable), "__getitem__")):
             raise TypeError(f"iterable must be iterable (a DataLoader, a list of batches, a "
@@ -450,6 +459,7 @@ class StreamPrefetcher:
         self.stream_priority = streams.stream_priority(stream_priority, arg="stream_priority")
         self.pin_memory = pin_memory
         self.time_copies = time_copies
+        self.source_issues_collectives = bool(source_issues_collectives)
         self._pin = non_blocking if pin_memory is None else pin_memory
         self._stats = PrefetchStats()
         self._timings: collections.deque = collections.deque(maxlen=_MAX_PENDING_TIMINGS)
@@ -475,7 +485,18 @@ class StreamPrefetcher:
         if self.depth == 0:
             epoch: _Epoch = _SyncEpoch(source, self)
         elif streams.is_accelerator(self.device):
-            epoch = _StagedEpoch(source, self)
+            if streams.has_side_streams(self.device):
+                epoch = _StagedEpoch(source, self)
+            else:
+                _say_once(f"StreamPrefetcher: {self.device.type} has no side streams in this torch; batches are "
+                          f"copied on the current stream when they are used (no copy overlaps compute)")
+                epoch = _SyncEpoch(source, self)
+        elif self.source_issues_collectives:
+            # A background thread would issue the source's collectives concurrently with the
+            # training step's, in a different order on each rank: a hang or a mismatch.
+            _say_once("StreamPrefetcher: the data loader communicates across ranks (batches dispatched from "
+                      "rank 0), so on CPU it is read on the training thread: data preparation is not hidden")
+            epoch = _SyncEpoch(source, self)
         else:
             epoch = _ThreadEpoch(source, self)
             self._thread = epoch.thread
@@ -506,6 +527,15 @@ class StreamPrefetcher:
 # keeps freed blocks per stream, so a new stream per prefetcher (say, one per epoch) would
 # strand each old stream's cached blocks: reserved memory would grow with every new one.
 _SIDE_STREAMS: dict = {}
+
+
+_SAID: set = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _SAID:
+        _SAID.add(message)
+        logger.warning(message)
 
 
 def _side_stream(device: torch.device, priority: int):

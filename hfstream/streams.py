@@ -91,15 +91,38 @@ def stream_priority(priority: Union[str, int], arg: str = "priority") -> int:
 
 
 def new_stream(device: DeviceLike, priority: Union[str, int] = "normal"):
-    """A new side stream on ``device`` (an accelerator) with the given priority."""
+    """A new side stream on ``device`` (an accelerator) with the given priority.
+
+    Raises:
+        RuntimeError: when neither ``torch.Stream`` nor the backend's module can make one
+            (e.g. Apple MPS: ``torch.mps`` has no ``Stream``); see `has_side_streams`.
+    """
     dev = torch.device(device)
     prio = stream_priority(priority)
     if hasattr(torch, "Stream"):
         try:
             return torch.Stream(device=dev, priority=prio)
-        except (RuntimeError, TypeError):
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
             pass   # backend without generic-stream support in this torch: use its own class
-    return torch.get_device_module(dev.type).Stream(device=dev, priority=prio)
+    try:
+        return torch.get_device_module(dev.type).Stream(device=dev, priority=prio)
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError) as exc:
+        raise RuntimeError(f"{dev.type} has no side streams in this torch ({exc})") from exc
+
+
+_HAS_STREAMS: dict = {}
+
+
+def has_side_streams(device: DeviceLike) -> bool:
+    """Whether a side stream can be made on ``device`` (tried once per device type, then cached)."""
+    dev = torch.device(device)
+    if dev.type not in _HAS_STREAMS:
+        try:
+            new_stream(dev)
+            _HAS_STREAMS[dev.type] = True
+        except RuntimeError:
+            _HAS_STREAMS[dev.type] = False
+    return _HAS_STREAMS[dev.type]
 
 
 def current_stream(device: DeviceLike):

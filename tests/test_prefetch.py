@@ -435,3 +435,64 @@ def test_stream_priority_names_map_to_backend_numbers():
     assert streams.stream_priority(-3) == -3
     with pytest.raises(ValueError, match="'high' or 'normal'"):
         streams.stream_priority("low")
+
+
+def test_a_device_without_side_streams_copies_on_the_current_stream(monkeypatch, caplog):
+    """Apple MPS in current torch: no torch.mps.Stream. The prefetcher must not crash; it says so once."""
+    import logging
+
+    from hfstream import prefetch as prefetch_module
+
+    monkeypatch.setattr(streams, "is_accelerator", lambda device: True)
+    monkeypatch.setattr(streams, "has_side_streams", lambda device: False)
+    prefetch_module._SAID.clear()
+    batches = [{"x": torch.full((2,), float(i))} for i in range(5)]
+    with caplog.at_level(logging.WARNING, logger="hfstream"):
+        got = [b["x"][0].item() for b in StreamPrefetcher(batches, device="cpu", depth=2)]
+        got += [b["x"][0].item() for b in StreamPrefetcher(batches, device="cpu", depth=2)]
+    assert got == [0.0, 1.0, 2.0, 3.0, 4.0] * 2
+    said = [r.getMessage() for r in caplog.records if "no side streams" in r.getMessage()]
+    assert len(said) == 1, said
+
+
+def test_has_side_streams_is_false_where_neither_torch_stream_nor_the_backend_makes_one(monkeypatch):
+    import types
+
+    def no_generic_stream(*a, **k):
+        raise RuntimeError("generic streams are not supported on this backend")
+
+    monkeypatch.setattr(torch, "Stream", no_generic_stream)
+    monkeypatch.setattr(torch, "get_device_module", lambda kind: types.SimpleNamespace())   # e.g. torch.mps
+    monkeypatch.setattr(streams, "_HAS_STREAMS", {})
+    assert streams.has_side_streams("meta") is False
+    with pytest.raises(RuntimeError, match="no side streams"):
+        streams.new_stream("meta")
+
+
+def test_a_source_that_communicates_is_read_on_the_consumers_thread():
+    """Accelerate's DataLoaderDispatcher broadcasts each batch: it must never be read from another thread."""
+    import threading
+
+    readers = []
+
+    def source():
+        for i in range(6):
+            readers.append(threading.current_thread().name)
+            yield torch.tensor([i])
+
+    got = [int(b) for b in StreamPrefetcher(list(source()), depth=2)]   # a list: read before
+    readers.clear()
+    got = [int(b) for b in StreamPrefetcher(_Regen(source), depth=2, source_issues_collectives=True)]
+    assert got == list(range(6))
+    assert set(readers) == {threading.current_thread().name}, readers
+    readers.clear()
+    list(StreamPrefetcher(_Regen(source), depth=2))
+    assert set(readers) != {threading.current_thread().name}   # without the flag a thread reads it (CPU)
+
+
+class _Regen:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __iter__(self):
+        return self.fn()
