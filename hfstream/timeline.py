@@ -123,6 +123,8 @@ def format_report(summary: dict[str, Any], title: str = "hfstream step report") 
     if per_rank:
         lines.insert(1, f"  {'':<13}{'mean':>12}" + "".join(f"{'rank ' + str(i):>12}" for i in range(len(per_rank))))
     lines.append("  ceiling = forward + max(backward, comm busy) + optimizer; efficiency = ceiling / step")
+    for note in summary.get("notes") or ():
+        lines.append(f"  note: {note}")
     return "\n".join(lines)
 
 
@@ -160,6 +162,7 @@ class _PendingStep:
     data_end: float = 0.0
     comm_spans: list = field(default_factory=list)   # (name, start, end) host seconds
     exposed_spans: list = field(default_factory=list)
+    comm_later: list = field(default_factory=list)   # functions returning SyncStats, called at resolve()
 
 
 class Span(tuple):
@@ -248,6 +251,18 @@ class StepTimeline:
             if exposed_span is not None:
                 self._cur.exposed_spans.append(exposed_span)
 
+    def add_comm_later(self, resolve, exposed_span: tuple[float, float] | None = None) -> None:
+        """Communication for this step whose numbers are read only when the step is resolved.
+
+        ``resolve()`` returns the step's `SyncStats` (``GradSync.stats_deferred()``): on an
+        accelerator reading them waits for the reductions' events, which by then have long
+        completed, so the host never stalls to measure a step.
+        """
+        if self._cur is not None:
+            self._cur.comm_later.append(resolve)
+            if exposed_span is not None:
+                self._cur.exposed_spans.append(exposed_span)
+
     def optimizer_start(self) -> None:
         if self._cur is not None:
             self._cur.optimizer_start = self._clock.mark()
@@ -266,6 +281,13 @@ class StepTimeline:
         """Turn finished steps into records (waits for their events on an accelerator)."""
         ms = self._clock.ms
         for p in self._pending:
+            for resolve in p.comm_later:
+                stats = resolve()
+                busy = p.comm_busy_ms
+                p.comm_busy_ms = stats.comm_busy_ms if math.isnan(busy) else busy + stats.comm_busy_ms
+                p.exposed_comm_ms += stats.exposed_comm_ms
+                p.comm_spans.extend((f"bucket {i}", t0, t1) for i, t0, t1 in stats.bucket_spans)
+            p.comm_later.clear()
             fwd = sum(ms(f0, f1) for f0, f1, _ in p.micro)
             bwd = sum(ms(f1, b1) for _, f1, b1 in p.micro)
             opt_start = p.optimizer_start if p.optimizer_start is not None else p.micro[-1][2]

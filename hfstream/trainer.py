@@ -11,7 +11,13 @@ Where data enters, moves to the device, where gradients leave and come back:
     training_step         tells GradSync whether this micro-step syncs; after the syncing
                           micro-step's backward, `finish()` waits for the reductions, so clipping
                           and the optimizer always see fully averaged gradients
-    log                   adds the step breakdown against the ceiling to the Trainer's logs
+Around them:
+    train                 refuses what would fail late; watches every phase for a stopped peer;
+                          at the end closes what it opened (prefetcher, GradSync, hooks), so a
+                          second train() or a second trainer on the same model starts clean
+    _maybe_log_save_evaluate  the optimizer step is over: close its timeline record
+    prediction_step       evaluation during training is progress too (the watchdog)
+    log                   adds the step breakdown to what the reporters get, not to the state
 
 `StreamTrainer` is this mixin over `transformers.Trainer`; an existing subclass adopts it with
 ``class MyTrainer(StreamTrainerMixin, TheirTrainer)``.
@@ -23,11 +29,12 @@ import datetime
 import json
 import logging
 import math
+import os
 import time
 from typing import Any
 
 from accelerate.utils import DistributedType, gather_object
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from .args import StreamTrainingArguments
 from .timeline import FIELDS, StepTimeline, combine_ranks, format_report
@@ -71,22 +78,6 @@ def _show_hfstream_logs(level: int) -> None:
         root.propagate = False
 
 
-class _StreamCallback(TrainerCallback):
-    """Marks the end of each optimizer step and gathers the report when training ends."""
-
-    def __init__(self, trainer: "StreamTrainerMixin"):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.trainer._timeline is not None:
-            self.trainer._timeline.end_step()
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.trainer._close_watchdog()
-        self.trainer._close_prefetcher()
-        self.trainer._gather_report()
-
-
 class StreamTrainerMixin:
     """Prefetching, overlapped gradient sync and the step report for any `Trainer` subclass.
 
@@ -98,13 +89,15 @@ class StreamTrainerMixin:
     TIMELINE_STEPS = 4   # steps of spans each rank keeps in the report, for the timeline figure
 
     def __init__(self, *args: Any, **kwargs: Any):
-        args, kwargs = _default_stream_args(args, kwargs)
+        args, kwargs = _default_stream_args(type(self), args, kwargs)
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, StreamTrainingArguments):
-            raise TypeError(
-                f"{type(self).__name__} needs args=StreamTrainingArguments(...), got {type(self.args).__name__}: "
-                "replace TrainingArguments with hfstream.StreamTrainingArguments (same fields, plus hfstream's)."
-            )
+            given = type(self.args)
+            fix = ("replace TrainingArguments with hfstream.StreamTrainingArguments (same fields, plus hfstream's)"
+                   if given.__name__ == "TrainingArguments" else
+                   f"build them with hfstream.stream_arguments({given.__name__})(...), which is {given.__name__} "
+                   f"plus hfstream's fields")
+            raise TypeError(f"{type(self).__name__} needs hfstream's arguments, got {given.__name__}: {fix}.")
         _show_hfstream_logs(self.args.get_process_log_level())
         self.grad_sync_mode = self._resolve_grad_sync()
         self.grad_sync = None                    # a GradSync once training prepared the model
@@ -118,7 +111,8 @@ class StreamTrainerMixin:
         self._report = StreamReport()
         self._forward_hook = None
         self._watchdog = None
-        self.add_callback(_StreamCallback(self))
+        self._loader_collectives = False   # the train loader broadcasts batches (DataLoaderDispatcher)
+        self._notes: list[str] = []        # what was given up this run, and why (logged once each)
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
@@ -141,27 +135,52 @@ class StreamTrainerMixin:
 
             path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
                     else resume_from_checkpoint)
-            if path is not None:
+            if path is not None and os.path.isdir(path):   # a missing one gets the Trainer's own message
                 check_checkpoint(path)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        self._watch("starting train() (preparing the model, the first collectives)")
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException:
+            self._end_training(gather_report=False)   # peers may be gone: no collective now
+            raise
+        self._end_training(gather_report=True)
+        return output
+
+    def _end_training(self, gather_report: bool) -> None:
+        """Close what train() opened, so the model is as it was: no hooks, no thread, no old trainer."""
+        if gather_report:
+            self._watch("gathering the step report at the end of train()")
+            self._gather_report()
+        self._close_watchdog()
+        self._close_prefetcher()
+        if self._forward_hook is not None:
+            self._forward_hook.remove()
+            self._forward_hook = None
+        if self.grad_sync is not None and not self.grad_sync.broken:
+            # After a reduction that never completed (a peer gone) the GradSync is left as it is:
+            # freeing what gloo's thread still waits on makes the process hang at exit.
+            self.grad_sync.close()
 
     # -- configuration ---------------------------------------------------------------------------
     def _resolve_grad_sync(self) -> str:
         """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (logged once)."""
         requested = self.args.grad_sync
         engine = self.accelerator.distributed_type
-        plain_dp = engine in _PLAIN_DP and not self.args._uses_sharded_engine()
+        sharded_model = self._model_is_sharded()
+        plain_dp = engine in _PLAIN_DP and not self.args._uses_sharded_engine() and not sharded_model
         if requested in ("overlap", "serial") and not plain_dp:
+            owner = ("the model was sharded at load time (DTensor parameters / from_pretrained(distributed_config=...))"
+                     if sharded_model else f"Accelerate runs {engine}")
             raise ValueError(
-                f"grad_sync={requested!r} needs plain data parallel, but Accelerate runs {engine}: "
-                "FSDP, DeepSpeed and tensor parallelism own gradient communication. Use grad_sync='native'."
+                f"grad_sync={requested!r} needs plain data parallel, but {owner}: FSDP, DeepSpeed and tensor "
+                "parallelism own gradient communication. Use grad_sync='native'."
             )
         if requested != "auto":
             return requested
         multi = self.accelerator.num_processes > 1
-        if multi and self.args._uses_sharded_engine():
-            logger.warning("hfstream: grad_sync='auto' falls back to 'native': FSDP/DeepSpeed/tensor parallelism own "
-                           "gradient communication (prefetching still applies)")
+        if multi and (self.args._uses_sharded_engine() or sharded_model):
+            logger.warning("hfstream: grad_sync='auto' falls back to 'native': FSDP/DeepSpeed/tensor parallelism (or a "
+                           "model sharded at load time) own gradient communication (prefetching still applies)")
             return "native"
         mode = "overlap" if plain_dp and multi and self.args.n_gpu <= 1 else "native"
         reason = ("plain multi-process data parallel" if mode == "overlap"
@@ -169,19 +188,36 @@ class StreamTrainerMixin:
         logger.info("hfstream: grad_sync='auto' resolved to %r (%s)", mode, reason)
         return mode
 
+    def _model_is_sharded(self) -> bool:
+        """A model transformers sharded at load time (tensor parallel): its parameters are DTensors."""
+        if getattr(self, "is_distributed_loading_by_transformers", False):
+            return True
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:
+            return False
+        return self.model is not None and any(isinstance(p, DTensor) for p in self.model.parameters())
+
     @property
     def _hfstream_sync(self) -> bool:
         return self.grad_sync_mode in ("overlap", "serial")
 
     # -- where data moves to the device ------------------------------------------------------------
     def get_train_dataloader(self):
+        from accelerate.data_loader import DataLoaderDispatcher
+
         loader = super().get_train_dataloader()
         if self.args.prefetch_depth > 0 and getattr(loader, "device", None) is not None:
             # The prefetcher copies to the device ahead of time; the loader must hand it host tensors.
             loader.device = None
+        # Accelerate dispatches an IterableDataset's batches from rank 0 with a broadcast per batch:
+        # such a loader must be read on the training thread, in step order on every rank.
+        self._loader_collectives = isinstance(loader, DataLoaderDispatcher)
         return loader
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        self._watch(f"loading the batches of step {self.state.global_step + 1} (the data loader, then "
+                    f"num_items_in_batch across ranks)")
         if self._timeline is not None:
             self._timeline.begin_step(self.state.global_step + 1)
         batches = super().get_batch_samples(self._prefetched(epoch_iterator), num_batches, device)
@@ -199,7 +235,8 @@ class StreamTrainerMixin:
             self._close_prefetcher()
             state = self.accelerator.gradient_state
             self._prefetcher = StreamPrefetcher(_tag_loader_state(epoch_iterator, state), device=self.args.device,
-                                                depth=self.args.prefetch_depth, time_copies=self.args.stream_report)
+                                                depth=self.args.prefetch_depth, time_copies=self.args.stream_report,
+                                                source_issues_collectives=self._loader_collectives)
             self._prefetch_iter = _restore_loader_state(iter(self._prefetcher), state, self._loader_view)
             self._prefetch_source = epoch_iterator
         return self._prefetch_iter
@@ -211,12 +248,13 @@ class StreamTrainerMixin:
 
     # -- where gradients leave and come back ---------------------------------------------------------
     def _wrap_model(self, model, training: bool = True, dataloader=None):
-        if training and self._hfstream_sync and self.grad_sync is None:
+        if training and self._hfstream_sync and (self.grad_sync is None or self.grad_sync.closed):
             from .gradsync import GradSync
 
             # Autocast and device placement from Accelerate, but no DDP wrapper: prepare_model
             # marks the module as prepared, so the Trainer's later prepare() leaves it alone.
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
+            self._say_what_ddp_options_do()
             self.grad_sync = GradSync(
                 model,
                 process_group=self._gradient_group(),
@@ -225,6 +263,7 @@ class StreamTrainerMixin:
                 comm_dtype=self.args.grad_comm_dtype,
                 comm_stream_priority=self.args.comm_stream_priority,
                 timeout=self.args.ddp_timeout,
+                broadcast_buffers=bool(self.args.ddp_broadcast_buffers),
             )
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
                 logger.info("hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
@@ -232,6 +271,24 @@ class StreamTrainerMixin:
         if training and self._timeline is not None and self._forward_hook is None:
             self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(self._forward_done)
         return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _say_what_ddp_options_do(self) -> None:
+        """DDP's own options set for a run whose gradients hfstream reduces: say once what becomes of each."""
+        args = self.args
+        ignored = []
+        if args.ddp_static_graph:
+            ignored.append("ddp_static_graph (GradSync needs no static graph: it re-plans its buckets from the order "
+                           "gradients arrive in the first step)")
+        if args.ddp_find_unused_parameters:
+            ignored.append("ddp_find_unused_parameters (not needed: GradSync always handles unused parameters)")
+        for what in ignored:
+            self._note(f"hfstream: {what} has no effect under grad_sync={self.grad_sync_mode!r}; "
+                       f"use grad_sync='native' for DDP's own behaviour")
+
+    def _note(self, message: str) -> None:
+        if message not in self._notes:
+            self._notes.append(message)
+            logger.warning(message)
 
     def _gradient_group(self):
         """On NCCL with comm_stream_priority="high", a group whose kernels run on a high-priority stream.
@@ -255,11 +312,15 @@ class StreamTrainerMixin:
         if module.training and self._timeline is not None:
             self._timeline.forward_end()
 
-    def _watchdog_begin(self):
-        """The step watchdog (multi-process only): reports a stuck step, ends it past ddp_timeout."""
+    def _watch(self, what: str) -> None:
+        """Progress: the watchdog (multi-process only) restarts its clock for phase ``what``.
+
+        A rank that stays in one phase past ``ddp_timeout`` + 15 s without progress is reported and
+        ended (exit 124): a stopped peer ends the survivors wherever they wait for it.
+        """
         limit = self.args.step_watchdog_s
         if self.args.world_size <= 1 or limit == 0:
-            return None
+            return
         if self._watchdog is None:
             from .watchdog import StepWatchdog
 
@@ -267,8 +328,7 @@ class StreamTrainerMixin:
             self._watchdog = StepWatchdog(report_after_s=limit if limit is not None else timeout / 2,
                                           exit_after_s=max(timeout + 15.0, limit or 0.0),
                                           describe=self._describe_stuck_step, rank=self.args.process_index)
-        self._watchdog.begin(self.state.global_step + 1)
-        return self._watchdog
+        self._watchdog.watch(what)
 
     def _describe_stuck_step(self) -> str:
         if self.grad_sync is None:
@@ -282,12 +342,11 @@ class StreamTrainerMixin:
             self._watchdog = None
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        watchdog = self._watchdog_begin()
-        try:
-            return self._stream_training_step(model, inputs, num_items_in_batch)
-        finally:
-            if watchdog is not None:
-                watchdog.end()
+        step = self.state.global_step + 1
+        self._watch(f"inside step {step} (forward, backward and the gradient reduction)")
+        loss = self._stream_training_step(model, inputs, num_items_in_batch)
+        self._watch(f"inside step {step} (gradient clipping and the optimizer step)")
+        return loss
 
     def _stream_training_step(self, model, inputs, num_items_in_batch=None):
         sync, timeline = self.grad_sync, self._timeline
@@ -304,12 +363,27 @@ class StreamTrainerMixin:
             t0 = time.perf_counter()
             sync.finish()
             if timeline is not None:
-                stats = sync.stats
-                timeline.add_comm(stats.comm_busy_ms, stats.exposed_comm_ms, stats.bucket_spans,
-                                  (t0, time.perf_counter()))
+                # Read later, when the report is made: reading now would make the host wait for the
+                # reductions' events on an accelerator, every step.
+                timeline.add_comm_later(sync.stats_deferred(), (t0, time.perf_counter()))
+            for note in sync.notes:
+                self._note(note)
         if timeline is not None and self.accelerator.sync_gradients:
             timeline.optimizer_start()
         return loss
+
+    # -- between steps ---------------------------------------------------------------------------------
+    def _maybe_log_save_evaluate(self, *args, **kwargs):
+        # Called right after each optimizer step (and at each epoch's end): the step is over.
+        if self._timeline is not None:
+            self._timeline.end_step()
+        self._watch(f"after step {self.state.global_step} (logging, evaluation or saving a checkpoint)")
+        return super()._maybe_log_save_evaluate(*args, **kwargs)
+
+    def prediction_step(self, *args, **kwargs):
+        if self._watchdog is not None and self.is_in_train:
+            self._watch(f"evaluating during training, after step {self.state.global_step}")
+        return super().prediction_step(*args, **kwargs)
 
     # -- the report ----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
@@ -326,6 +400,12 @@ class StreamTrainerMixin:
             if self.grad_sync is not None and isinstance(self.grad_sync.bucket_mb, float):
                 logs["stream/bucket_mb"] = self.grad_sync.bucket_mb    # the tuned cap, under "auto"
         super().log(logs, *args, **kwargs)
+        # The reporters (TensorBoard, W&B, the console) got the timings; the Trainer's state does
+        # not keep them: trainer_state.json stays the stock Trainer's, and a resumed run's state
+        # equals an uninterrupted one's.
+        history = self.state.log_history
+        if history and any(key.startswith("stream/") for key in history[-1]):
+            history[-1] = {k: v for k, v in history[-1].items() if not k.startswith("stream/")}
 
     def _gather_report(self) -> None:
         """Every rank's summary, gathered when training ends (all ranks are there)."""
@@ -337,7 +417,8 @@ class StreamTrainerMixin:
         per_rank = [summary for summary, _ in gathered]
         self._report = StreamReport(mean=combine_ranks(per_rank), per_rank=per_rank, grad_sync=self.grad_sync_mode,
                                     prefetch_depth=self.args.prefetch_depth,
-                                    spans=[span for _, rank_spans in gathered for span in rank_spans])
+                                    spans=[span for _, rank_spans in gathered for span in rank_spans],
+                                    notes=list(self._notes))
 
     def stream_report(self) -> StreamReport:
         """The step breakdown against the ceiling for the last `train()` call.
@@ -390,14 +471,26 @@ def _restore_loader_state(prefetched, state, view: _LoaderView):
         state.dataloader_references = [r for r in state.dataloader_references if r is not view]
 
 
-def _default_stream_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Trainer builds a plain TrainingArguments when none is given; build ours instead."""
+def _default_stream_args(trainer_cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Trainer builds a plain TrainingArguments when none is given; build ours instead.
+
+    Another Trainer subclass (TRL's SFTTrainer) builds its own config class from what it is
+    given; ours would not fit it, so it is asked for explicitly instead.
+    """
+    missing = args[1] is None if len(args) > 1 else kwargs.get("args") is None
+    if not missing:
+        return args, kwargs
+    base = next(c for c in trainer_cls.__mro__ if issubclass(c, Trainer) and not issubclass(c, StreamTrainerMixin))
+    if base is not Trainer:
+        raise TypeError(
+            f"{trainer_cls.__name__} needs args: {base.__name__} builds default arguments of its own class, which "
+            f"lack hfstream's fields. Pass args=hfstream.stream_arguments(<{base.__name__}'s config class>)"
+            f"(output_dir=...), e.g. stream_arguments(SFTConfig) for TRL's SFTTrainer."
+        )
+    default = StreamTrainingArguments(output_dir="tmp_trainer")
     if len(args) > 1:
-        if args[1] is None:
-            args = (args[0], StreamTrainingArguments(output_dir="tmp_trainer"), *args[2:])
-    elif kwargs.get("args") is None:
-        kwargs = {**kwargs, "args": StreamTrainingArguments(output_dir="tmp_trainer")}
-    return args, kwargs
+        return (args[0], default, *args[2:]), kwargs
+    return args, {**kwargs, "args": default}
 
 
 class StreamTrainer(StreamTrainerMixin, Trainer):

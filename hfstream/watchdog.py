@@ -1,12 +1,14 @@
-"""A step watchdog: a training step that makes no progress is reported, then ended, never left hanging.
+"""A watchdog over train(): a rank that makes no progress is reported, then ended, never left hanging.
 
 Collectives wait on every peer. When a peer dies, gloo and NCCL notice the closed connection;
 when a peer is alive but stopped (SIGSTOP, a debugger, a data loader stuck on a network file
 system) nothing closes, and on gloo a plain ``Work.wait()`` never returns (a stock Trainer
 waits forever: docs/benchmarks.md, "Staying up"). `GradSync.finish` waits with a timeout;
-this watchdog covers the rest of the step (forward, backward, a native DDP reduction) in two stages:
+this watchdog covers the rest of ``train()`` -- forward, backward, a native DDP reduction, the
+data loader's and the Trainer's own collectives between steps, evaluation, saving -- in two
+stages, counted from the last sign of progress (`watch` marks each phase):
 
-1. after ``report_after_s`` inside one step, log, per rank, what the step still waits for
+1. after ``report_after_s`` in one phase, log, per rank, where it is and what it waits for
    (`GradSync.pending_report`: buckets that never became ready and the parameters whose
    gradient never arrived, reductions launched but not complete);
 2. after ``exit_after_s``, print why and end the process with exit code 124, so the launcher
@@ -29,11 +31,14 @@ EXIT_CODE = 124   # what `timeout(1)` returns: "ran past its limit"
 
 
 class StepWatchdog:
-    """Watches the time spent inside one step, from another thread.
+    """Watches, from another thread, the time spent in one phase of training without progress.
+
+    ``watch(what)`` marks progress and names the phase ("inside step 5 (...)"); ``idle()``
+    stops watching (outside ``train()``); ``begin(step)``/``end()`` are the same for one step.
 
     Args:
-        report_after_s: seconds in one step before the report is logged (once per step).
-        exit_after_s: seconds in one step before the process exits with `EXIT_CODE`;
+        report_after_s: seconds in one phase before the report is logged (once per phase).
+        exit_after_s: seconds in one phase before the process exits with `EXIT_CODE`;
             None = never exit, only report.
         describe: returns what the step waits for (called from the watchdog thread).
         rank: this process's rank, for the messages.
@@ -49,7 +54,7 @@ class StepWatchdog:
         self.report_after_s, self.exit_after_s = report_after_s, exit_after_s
         self.describe, self.rank, self.poll_s = describe, rank, poll_s
         self._lock = threading.Lock()
-        self._step: int | None = None
+        self._what: str | None = None
         self._since = 0.0
         self._reported = False
         self._closed = threading.Event()
@@ -57,13 +62,21 @@ class StepWatchdog:
         self._thread = threading.Thread(target=self._run, name="hfstream-watchdog", daemon=True)
         self._thread.start()
 
-    def begin(self, step: int) -> None:
+    def watch(self, what: str) -> None:
+        """Progress: a new phase begins (``what`` completes "rank r has been ...")."""
         with self._lock:
-            self._step, self._since, self._reported = step, time.monotonic(), False
+            self._what, self._since, self._reported = what, time.monotonic(), False
+
+    def idle(self) -> None:
+        """Nothing to watch until the next `watch` (e.g. between two ``train()`` calls)."""
+        with self._lock:
+            self._what = None
+
+    def begin(self, step: int) -> None:
+        self.watch(f"inside step {step}")
 
     def end(self) -> None:
-        with self._lock:
-            self._step = None
+        self.idle()
 
     def close(self) -> None:
         self._closed.set()
@@ -72,33 +85,33 @@ class StepWatchdog:
     def _run(self) -> None:
         while not self._closed.wait(self.poll_s):
             with self._lock:
-                step, since, reported = self._step, self._since, self._reported
-            if step is None:
+                what, since, reported = self._what, self._since, self._reported
+            if what is None:
                 continue
             stuck = time.monotonic() - since
             if stuck >= self.report_after_s and not reported:
-                self._report(step, stuck)
+                self._report(what, since, stuck)
             if self.exit_after_s is not None and stuck >= self.exit_after_s:
-                self._exit(step, stuck)
+                self._exit(what, stuck)
 
-    def _message(self, step: int, stuck: float) -> str:
+    def _message(self, what: str, stuck: float) -> str:
         try:
             detail = self.describe() or "no gradient reduction pending on this rank"
         except Exception as exc:   # a report must never kill the thread that may have to exit
             detail = f"(could not describe the step: {exc!r})"
-        return f"hfstream watchdog: rank {self.rank} has been inside step {step} for {stuck:.0f} s.\n{detail}"
+        return f"hfstream watchdog: rank {self.rank} has been {what} for {stuck:.0f} s.\n{detail}"
 
-    def _report(self, step: int, stuck: float) -> None:
-        message = self._message(step, stuck)
+    def _report(self, what: str, since: float, stuck: float) -> None:
+        message = self._message(what, stuck)
         with self._lock:
-            if self._step != step:
-                return
+            if self._what != what or self._since != since:
+                return   # progress was made meanwhile
             self._reported = True
         self.reports.append(message)
         logger.error(message)   # with no handler configured, logging still prints errors to stderr
 
-    def _exit(self, step: int, stuck: float) -> None:
-        message = (f"{self._message(step, stuck)}\nhfstream watchdog: no progress for more than "
+    def _exit(self, what: str, stuck: float) -> None:
+        message = (f"{self._message(what, stuck)}\nhfstream watchdog: no progress for more than "
                    f"{self.exit_after_s:.0f} s (ddp_timeout plus a margin): a peer rank is stopped or gone. "
                    f"Exiting with code {EXIT_CODE} so the launcher sees the failure instead of a hang.")
         print(message, file=sys.stderr, flush=True)

@@ -107,6 +107,28 @@ def test_a_frozen_peer_ends_the_run_within_ddp_timeout_and_says_what_was_pending
                                     "reduction not complete", "hfstream watchdog: rank 0 has been inside step 5")
 
 
+# Where a peer may freeze, beyond "inside a step": the survivor must end within ddp_timeout plus a
+# margin wherever it then waits, and say where that was.
+FAULT_POINTS = {
+    "between": ([], "hfstream watchdog: rank 0 has been"),
+    "eval": (["--eval_strategy", "steps", "--eval_steps", "4", "--per_device_eval_batch_size", "4"],
+             "hfstream watchdog: rank 0 has been"),
+    "save": (["--save_strategy", "steps", "--save_steps", "4"], "hfstream watchdog: rank 0 has been"),
+}
+
+
+@pytest.mark.parametrize("where", [
+    "between",
+    pytest.param("eval", marks=pytest.mark.slow),
+    pytest.param("save", marks=pytest.mark.slow),
+])
+def test_a_peer_frozen_anywhere_in_train_ends_the_survivor_with_where_it_waited(tmp_path, where):
+    extra, expected = FAULT_POINTS[where]
+    out, nodes = _fault_run(tmp_path, "stop", ["--grad_sync", "overlap", "--fault_at", where, *extra])
+    # The watchdog ends a rank that made no progress for ddp_timeout + 15 s, whichever phase it is in.
+    _assert_survivor_failed_cleanly(nodes, out, DDP_TIMEOUT + 15, expected)
+
+
 @pytest.mark.slow
 def test_a_frozen_peer_under_native_ddp_is_ended_by_the_watchdog(tmp_path):
     out, nodes = _fault_run(tmp_path, "stop", ["--grad_sync", "native"])

@@ -7,7 +7,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from tiny import lm_dataset, losses, params, tiny_causal_lm, train_args
+from tiny import lm_dataset, losses, params, reported, tiny_causal_lm, train_args
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,8 +25,8 @@ def _stock_vs_stream(rank, world_size, tmp):
         model = tiny_causal_lm("gpt2", seed=0 if name == "ddp" else rank)
         trainer = cls(model=model, args=train_args(args_cls, f"{tmp}/{name}", gradient_accumulation_steps=2, **kw),
                       train_dataset=lm_dataset())
+        logs = reported(trainer)
         trainer.train()
-        logs = trainer.state.log_history
         out[name] = dict(losses=losses(trainer), params=params(trainer.model),
                          mode=getattr(trainer, "grad_sync_mode", "ddp"),
                          logged=sorted({k for h in logs for k in h if k.startswith("stream/")}),
@@ -62,8 +62,9 @@ def _checkpoint_resume_eval(rank, world_size, tmp):
     full = trainer_for(f"{tmp}/full")
     full.train()
     hooks_after_first = full.grad_sync
-    full.train()                                        # a second call: same GradSync, no second set of hooks
-    same_sync = full.grad_sync is hooks_after_first
+    full.train()                                        # a second call: the first GradSync was closed at the end
+    same_sync = (hooks_after_first.closed and full.grad_sync is not hooks_after_first
+                 and full.grad_sync.closed)             # ... and so is the second one: the model is left unhooked
     first = trainer_for(f"{tmp}/full2")
     first.train()
     resumed = trainer_for(f"{tmp}/full2")
@@ -97,8 +98,9 @@ def _auto_bucket(rank, world_size, tmp):
     args = train_args(StreamTrainingArguments, tmp, max_steps=24, grad_sync="overlap", grad_bucket_mb="auto",
                       prefetch_depth=0)
     trainer = StreamTrainer(model=tiny_causal_lm("gpt2", seed=0), args=args, train_dataset=lm_dataset())
+    logs = reported(trainer)
     trainer.train()
-    logged = [h["stream/bucket_mb"] for h in trainer.state.log_history if "stream/bucket_mb" in h]
+    logged = [h["stream/bucket_mb"] for h in logs if "stream/bucket_mb" in h]
     return trainer.grad_sync.bucket_mb, logged, params(trainer.model)
 
 

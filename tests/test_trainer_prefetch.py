@@ -8,7 +8,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hfstream import StreamTrainer, StreamTrainerMixin, StreamTrainingArguments
-from tiny import lm_dataset, losses, params, tiny_causal_lm, train_args
+from tiny import lm_dataset, losses, params, reported, tiny_causal_lm, train_args
 
 
 class RecordingTrainer(Trainer):
@@ -35,9 +35,10 @@ def _pair(tmp, stream_kw, **kw):
         trainer = cls(model=model, args=train_args(args_cls, f"{tmp}/{name}", max_steps=30,
                                                    gradient_accumulation_steps=3, **extra, **kw),
                       train_dataset=lm_dataset())
+        logs = reported(trainer)
         trainer.train()
         out[name] = dict(losses=losses(trainer), params=params(trainer.model), seen=trainer.seen, ends=trainer.ends,
-                         waits=[h["stream/data_wait_ms"] for h in trainer.state.log_history if "stream/data_wait_ms" in h])
+                         waits=[h["stream/data_wait_ms"] for h in logs if "stream/data_wait_ms" in h])
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import TrainerCallback
 
 
 def tiny_causal_lm(kind: str = "gpt2", vocab: int = 64, seed: int = 0, dropout: float = 0.0):
@@ -64,3 +65,23 @@ def losses(trainer) -> list[float]:
 
 def params(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class ReportedLogs(TrainerCallback):
+    """What the reporters (TensorBoard, W&B, the console) receive through ``on_log``."""
+
+    def __init__(self):
+        self.logs: list[dict] = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs or {}))
+
+
+def reported(trainer) -> list[dict]:
+    """The logs the reporters got (a `ReportedLogs` callback is added on first use, before train())."""
+    for cb in trainer.callback_handler.callbacks:
+        if isinstance(cb, ReportedLogs):
+            return cb.logs
+    cb = ReportedLogs()
+    trainer.add_callback(cb)
+    return cb.logs

@@ -10,6 +10,8 @@ several "nodes" on one machine. Writes ``params_rank{R}.pt`` (final parameters) 
 
 Extra flags: ``--trainer stock`` (transformers.Trainer), ``--fault kill|stop|nan --fault_step S
 --fault_rank R`` (rank R, or every rank with -1, sends itself SIGKILL/SIGSTOP at step S),
+``--fault_at step|between|eval|save`` (where: as step S+1 begins, right after optimizer step S,
+during the evaluation after step S, while the checkpoint of step S is saved),
 ``--resume last|DIR`` (resume from the last checkpoint in --output_dir, or from DIR).
 """
 
@@ -35,6 +37,7 @@ class ScriptArguments:
     fault: str = field(default="none", metadata={"choices": ["none", "kill", "stop", "nan"]})
     fault_step: int = 4
     fault_rank: int = 1
+    fault_at: str = field(default="step", metadata={"choices": ["step", "between", "eval", "save"]})
     samples: int = 512
     variable_length: bool = field(default=False, metadata={"help": "samples of 4..16 tokens, padded per batch"})
     freeze_all: bool = False
@@ -55,13 +58,31 @@ class Observe(TrainerCallback):
 
 
 class Fault(TrainerCallback):
-    def __init__(self, kind: str, step: int, rank: int):
-        self.kind, self.step, self.rank = kind, step, rank
+    def __init__(self, kind: str, step: int, rank: int, at: str = "step"):
+        self.kind, self.step, self.rank, self.at = kind, step, rank, at
+
+    def strike(self, global_step: int, where: str) -> None:
+        if where == self.at and global_step == self.step and self.rank in (-1, int(os.environ.get("RANK", 0))):
+            print(f"fault: rank {self.rank} sends itself {self.kind} at step {self.step} ({where})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step and self.rank in (-1, int(os.environ.get("RANK", 0))):
-            print(f"fault: rank {self.rank} sends itself {self.kind} at step {self.step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL if self.kind == "kill" else signal.SIGSTOP)
+        self.strike(state.global_step, "step")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.strike(state.global_step, "between")
+
+    def on_prediction_step(self, args, state, control, **kwargs):
+        self.strike(state.global_step, "eval")
+
+    def around_save(self, trainer) -> None:
+        save = trainer.save_model
+
+        def faulty_save(*a, **k):
+            self.strike(trainer.state.global_step, "save")
+            return save(*a, **k)
+
+        trainer.save_model = faulty_save
 
 
 def dataset(n: int, seq: int = 16, vocab: int = 64, variable: bool = False):
@@ -114,19 +135,24 @@ def main() -> None:
     if script.freeze_all:
         model.requires_grad_(False)
     data = dataset(script.samples, variable=script.variable_length)
+    eval_data = dataset(32) if args.eval_strategy != "no" else None
     if script.trainer == "stock":
         kw = {f: getattr(args, f) for f in TrainingArguments.__dataclass_fields__ if f in args.__dict__}
         kw = {k: v for k, v in kw.items() if not k.startswith("_")}
         stock_args = TrainingArguments(**{k: kw[k] for k in kw if TrainingArguments.__dataclass_fields__[k].init})
-        trainer = Trainer(model=model, args=stock_args, train_dataset=data, data_collator=pad_batch)
+        trainer = Trainer(model=model, args=stock_args, train_dataset=data, eval_dataset=eval_data,
+                          data_collator=pad_batch)
     else:
-        trainer = StreamTrainer(model=model, args=args, train_dataset=data, data_collator=pad_batch)
+        trainer = StreamTrainer(model=model, args=args, train_dataset=data, eval_dataset=eval_data,
+                                data_collator=pad_batch)
     observe = Observe()
     trainer.add_callback(observe)
     if script.fault == "nan":
         trainer.add_callback(NanAt(model, script.fault_step, script.fault_rank))
     if script.fault in ("kill", "stop"):
-        trainer.add_callback(Fault(script.fault, script.fault_step, script.fault_rank))
+        fault = Fault(script.fault, script.fault_step, script.fault_rank, script.fault_at)
+        trainer.add_callback(fault)
+        fault.around_save(trainer)
     resume = None
     if script.resume:
         resume = True if script.resume == "last" else script.resume
