@@ -15,8 +15,8 @@ help:
 	@echo "make demo       train the demo (2 CPU processes, or every GPU) and print the step report"
 	@echo "make test       the default test suite (fast; no GPU needed)"
 	@echo "make test-slow  the slow tests only (marked @pytest.mark.slow)"
-	@echo "make gpu-check  the GPU tests (marked @pytest.mark.gpu); skip cleanly without a GPU"
-	@echo "make gpu-check-here  the same with the machine's own python, no venv (a GPU box with torch installed)"
+	@echo "make gpu-check  everything that needs a GPU, one table + runs/gpu_check.json (machine's python, no venv); skips without a GPU"
+	@echo "make gpu-check-here  the same (old name)"
 	@echo "make course     install Jupyter, copy the lessons to course/work/ and say how to open them"
 	@echo "make course-grade  grade your notebooks in course/work/ (all lessons) and show your progress"
 
@@ -38,11 +38,10 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
-gpu-check: $(STAMP)
-	$(PY) -m pytest -m gpu -v
+gpu-check:
+	PYTHONPATH=. $(PYTHON) -m hfstream.tools.gpu_check --json runs/gpu_check.json $(GPU_CHECK_ARGS)
 
-gpu-check-here:
-	PYTHONPATH=. $(PYTHON) -m pytest -m gpu -v -p no:cacheprovider
+gpu-check-here: gpu-check
 
 course: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,course]"
