@@ -16,7 +16,6 @@ preparation (collate, tokenisation) instead, as ``DataLoader`` workers do.
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 import functools
 import itertools
@@ -26,13 +25,12 @@ import threading
 import time
 import warnings
 import weakref
-from collections import UserDict
-from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 
 from hfstream import streams
+from hfstream.batches import map_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -93,47 +91,6 @@ class _Failure:
 
     def __init__(self, exc: BaseException):
         self.exc = exc
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], skip_keys=frozenset()) -> Any:
-    """Apply ``fn`` to every tensor in ``obj`` and rebuild each container with its own type.
-
-    Mappings (dict, dict subclasses, ``UserDict`` such as ``BatchEncoding``), lists, tuples and
-    namedtuples are traversed; every other leaf is returned as is, and so are the values of
-    mapping keys in ``skip_keys``.
-    """
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        # UserDict's own items() goes through __getitem__, which BatchEncoding overrides.
-        src = obj.data if isinstance(obj, UserDict) else obj
-        items = {k: v if k in skip_keys else map_tensors(v, fn, skip_keys) for k, v in src.items()}
-        return _rebuild_mapping(obj, items)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):     # namedtuple: fields are positional
-        return type(obj)(*(map_tensors(v, fn, skip_keys) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        items = [map_tensors(v, fn, skip_keys) for v in obj]
-        return items if type(obj) is list else type(obj)(items)
-    return obj
-
-
-def _rebuild_mapping(obj: Mapping, items: dict) -> Mapping:
-    if type(obj) is dict:
-        return items
-    if isinstance(obj, UserDict):
-        # A shallow copy keeps BatchEncoding's encodings and n_sequences; only .data changes.
-        new = copy.copy(obj)
-        new.data = items
-        return new
-    if isinstance(obj, dict):
-        try:
-            return type(obj)(items)            # OrderedDict and most subclasses
-        except TypeError:                      # e.g. defaultdict: keep its factory via a copy
-            new = copy.copy(obj)
-            new.clear()
-            new.update(items)
-            return new
-    return type(obj)(items)
 
 
 def _move_batch(host: Any, device: torch.device, skip: frozenset, non_blocking: bool) -> _Batch:

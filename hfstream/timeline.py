@@ -13,6 +13,7 @@ Data wait is always a host time: it is the time the host could not launch work.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import deque
@@ -334,3 +335,21 @@ class StepTimeline:
         self.resolve()
         recs = [r for r in self.records if since_step is None or r.step > since_step]
         return summarize(recs, warmup=warmup if since_step is None else 0)
+
+
+class StreamReport(dict):
+    """The step breakdown against the ceiling: a dict (``mean``, ``per_rank``) that prints as a table."""
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+    def to_json(self) -> str:
+        """Strict JSON: unmeasured values (NaN) become null."""
+        def clean(x):
+            if isinstance(x, dict):
+                return {k: clean(v) for k, v in x.items()}
+            if isinstance(x, list):
+                return [clean(v) for v in x]
+            return None if isinstance(x, float) and math.isnan(x) else x
+
+        return json.dumps(clean(dict(self)), indent=2, allow_nan=False)

@@ -26,7 +26,6 @@ Around them:
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import math
 import os
@@ -37,7 +36,8 @@ from accelerate.utils import DistributedType, gather_object
 from transformers import Trainer
 
 from .args import StreamTrainingArguments
-from .timeline import FIELDS, StepTimeline, combine_ranks, format_report
+from .loader_state import LoaderView, restore_loader_state, tag_loader_state
+from .timeline import FIELDS, StepTimeline, StreamReport, combine_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -47,24 +47,6 @@ _PLAIN_DP = {
     DistributedType.MULTI_XPU, DistributedType.MULTI_NPU, DistributedType.MULTI_MLU,
     DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
 } - {None}
-
-
-class StreamReport(dict):
-    """The step breakdown against the ceiling: a dict (``mean``, ``per_rank``) that prints as a table."""
-
-    def __str__(self) -> str:
-        return format_report(self)
-
-    def to_json(self) -> str:
-        """Strict JSON: unmeasured values (NaN) become null."""
-        def clean(x):
-            if isinstance(x, dict):
-                return {k: clean(v) for k, v in x.items()}
-            if isinstance(x, list):
-                return [clean(v) for v in x]
-            return None if isinstance(x, float) and math.isnan(x) else x
-
-        return json.dumps(clean(dict(self)), indent=2, allow_nan=False)
 
 
 def _show_hfstream_logs(level: int) -> None:
@@ -104,7 +86,7 @@ class StreamTrainerMixin:
         self._prefetcher = None
         self._prefetch_source = None
         self._prefetch_iter = None
-        self._loader_view = _LoaderView()
+        self._loader_view = LoaderView()
         self._timeline = (StepTimeline(self.args.device, rank=self.args.process_index)
                           if self.args.stream_report else None)
         self._last_logged_step = 0
@@ -234,10 +216,10 @@ class StreamTrainerMixin:
 
             self._close_prefetcher()
             state = self.accelerator.gradient_state
-            self._prefetcher = StreamPrefetcher(_tag_loader_state(epoch_iterator, state), device=self.args.device,
+            self._prefetcher = StreamPrefetcher(tag_loader_state(epoch_iterator, state), device=self.args.device,
                                                 depth=self.args.prefetch_depth, time_copies=self.args.stream_report,
                                                 source_issues_collectives=self._loader_collectives)
-            self._prefetch_iter = _restore_loader_state(iter(self._prefetcher), state, self._loader_view)
+            self._prefetch_iter = restore_loader_state(iter(self._prefetcher), state, self._loader_view)
             self._prefetch_source = epoch_iterator
         return self._prefetch_iter
 
@@ -430,45 +412,6 @@ class StreamTrainerMixin:
         ended, on every rank.
         """
         return self._report
-
-
-class _LoaderView:
-    """What Accelerate's `GradientState` reads of the training dataloader, as the loop sees it.
-
-    The prefetcher pulls batches ahead, so the real loader reaches its end (and sets
-    ``end_of_dataloader``) up to ``prefetch_depth`` batches before the training loop does. This
-    stands in for the loader in ``GradientState.dataloader_references`` and carries the flags
-    each batch had when it was produced.
-    """
-
-    def __init__(self):
-        self.end_of_dataloader = False
-        self.remainder = -1
-
-
-def _tag_loader_state(source, state):
-    """Producer side: each batch with its loader's ``end_of_dataloader`` and ``remainder``."""
-    loader = None
-    for batch in source:
-        if loader is None:   # the loader registered itself on its first batch; it is the last one
-            refs = [r for r in state.dataloader_references if r is not None and not isinstance(r, _LoaderView)]
-            loader = refs[-1] if refs else None
-        yield batch, (loader, getattr(loader, "end_of_dataloader", False), getattr(loader, "remainder", -1))
-
-
-def _restore_loader_state(prefetched, state, view: _LoaderView):
-    """Consumer side: the view takes the loader's place and shows each batch's flags when it is used."""
-    try:
-        for batch, (loader, end, remainder) in prefetched:
-            refs = state.dataloader_references
-            if loader is not None and any(r is loader for r in refs):
-                state.dataloader_references = [view if r is loader else r for r in refs]
-            elif not any(r is view for r in refs):
-                state.dataloader_references = refs + [view]
-            view.end_of_dataloader, view.remainder = end, remainder
-            yield batch
-    finally:
-        state.dataloader_references = [r for r in state.dataloader_references if r is not view]
 
 
 def _default_stream_args(trainer_cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -282,7 +282,8 @@ def test_close_and_context_manager_stop_the_thread():
     with pytest.raises(StopIteration):
         next(it)
     with StreamPrefetcher(endless(), device="cpu", depth=3) as p:
-        next(iter(p))
+        it = iter(p)          # held: an epoch nobody holds is closed by the garbage collector
+        next(it)
         assert prefetch_threads()
     assert not prefetch_threads()
 

@@ -53,14 +53,11 @@ from .broadcast import broadcast_from_rank0
 from .buckets import DDP_BUCKET_MB, Bucket, plan_buckets
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
 from .order import ArrivalOrder, planning_sequence
+from .overlap_check import OverlapCheck
 from .stats import StatsRecorder, SyncStats
 from .tune import AutoBucketCap, BucketTuner, TuningResult
 
 logger = logging.getLogger(__name__)
-
-# Gradients that all arrive within this fraction of a step arrived "at once": nothing to overlap.
-NO_SPREAD = 0.02
-SUSPECT_STEPS = 3   # consecutive synchronised steps before overlap is reported lost
 
 
 class _BucketState:
@@ -194,7 +191,7 @@ class GradSync:
         self._agree_device = self._named[-1][1].device if self._named else torch.device("cpu")
         self._steps = 0                         # synchronised steps finished
         self.notes: list[str] = []              # what was given up, and why (said once, in the log too)
-        self._suspect_steps = 0                 # consecutive steps whose reductions could not overlap
+        self._overlap = OverlapCheck()         # says once when reductions could not overlap backward
 
         auto = bucket_mb == "auto"
         self.bucket_mb: float | str = DDP_BUCKET_MB if auto else float(bucket_mb)
@@ -397,7 +394,10 @@ class GradSync:
         if not self._arrival.done:
             self._plan_in_arrival_order()
         elif self.mode == "overlap" and not self.notes:
-            self._check_overlap(*times)
+            note = self._overlap.step_done(self._steps, self.buckets, self._recorder.launched_in_backward, *times)
+            if note:
+                self.notes.append(note)
+                logger.warning(note)
         if self._auto is not None:
             self._tune_step()
 
@@ -429,28 +429,6 @@ class GradSync:
         if [b.names for b in self.buckets] != before:
             logger.info("GradSync: buckets re-planned in the order gradients arrived in the first step (%d buckets)",
                         len(self.buckets))
-
-    def _check_overlap(self, t_forward, spread, t_enter) -> None:
-        """Say once, with the reason, when a step's reductions could not overlap its backward."""
-        if len(self.buckets) < 2:
-            return   # one bucket (bucket_mb=inf): nothing can launch before the last gradient, by choice
-        why = None
-        if self._recorder.launched_in_backward == 0:
-            why = (f"no bucket was launched while backward ran: all {len(self.buckets)} waited for finish() "
-                   f"(the first bucket, {', '.join(self.buckets[0].names[:4])}, never completed in backward)")
-        elif t_forward is not None and spread is not None and spread < NO_SPREAD * (t_enter - t_forward):
-            why = (f"every gradient arrived at once, at the end of backward ({max(spread, 0) * 1e3:.2f} ms "
-                   f"apart in a {(t_enter - t_forward) * 1e3:.1f} ms step): the backward returns all gradients "
-                   f"together, as a compiled model (torch.compile) does without graph breaks at bucket boundaries; "
-                   f"grad_sync='native' gets DDP's graph splitting")
-        # One odd step (a tiny model whose whole backward takes less than a launch) is not a
-        # pattern: say it only when it holds for several steps in a row.
-        self._suspect_steps = self._suspect_steps + 1 if why else 0
-        if self._suspect_steps < SUSPECT_STEPS:
-            return
-        note = f"GradSync: overlap lost in synchronised steps {self._steps - SUSPECT_STEPS + 1}-{self._steps}: {why}."
-        self.notes.append(note)
-        logger.warning(note)
 
     def _tune_step(self) -> None:
         """Between steps, on every rank alike: score the step, then plan the next cap (or the choice)."""

@@ -9,4 +9,5 @@ The training path (`hfstream.args`, `hfstream.trainer`, `hfstream.prefetch`,
     plot    the figures (step breakdown, timeline, loss, plan)
     trace   a ``torch.profiler`` Chrome trace of chosen steps, as a Trainer callback
     data    a local corpus and tokenizers (byte-level, or BPE trained here): no hub
+    gpu_check  ``make gpu-check``: the checks that need a GPU, one table (skips without one)
 """

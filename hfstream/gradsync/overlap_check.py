@@ -1,0 +1,43 @@
+"""Saying so when overlap is lost: a step whose reductions could not run while backward did.
+
+Nothing breaks when overlap is lost -- the gradients are right -- so without a word a run is
+silently slow. Two patterns are recognised, each only when it holds for `SUSPECT_STEPS`
+synchronised steps in a row (one odd step of a tiny model is not a pattern):
+- no bucket launched while backward ran: every reduction waited for ``finish()`` (the first
+  bucket waits for a gradient that comes last, or never);
+- every gradient arrived at once at the end of backward, within `NO_SPREAD` of the step
+  (measured from the forward to ``finish()``, launch time excluded): what a compiled backward
+  (``torch.compile``) delivers, since it returns all gradients together.
+"""
+
+from __future__ import annotations
+
+NO_SPREAD = 0.02    # gradients within this fraction of a step arrived "at once"
+SUSPECT_STEPS = 3   # consecutive synchronised steps before overlap is reported lost
+
+
+class OverlapCheck:
+    """Fed once per synchronised step; returns the note to say (once), else None."""
+
+    def __init__(self):
+        self._suspect = 0
+        self.said = False
+
+    def step_done(self, step: int, buckets, launched_in_backward: int, t_forward, spread, t_enter) -> str | None:
+        """``spread``: seconds between the step's first and last gradient hook, minus launch time."""
+        if self.said or len(buckets) < 2:
+            return None   # one bucket (bucket_mb=inf): nothing can launch before the last gradient, by choice
+        why = None
+        if launched_in_backward == 0:
+            why = (f"no bucket was launched while backward ran: all {len(buckets)} waited for finish() "
+                   f"(the first bucket, {', '.join(buckets[0].names[:4])}, never completed in backward)")
+        elif t_forward is not None and spread is not None and spread < NO_SPREAD * (t_enter - t_forward):
+            why = (f"every gradient arrived at once, at the end of backward ({max(spread, 0) * 1e3:.2f} ms "
+                   f"apart in a {(t_enter - t_forward) * 1e3:.1f} ms step): the backward returns all gradients "
+                   f"together, as a compiled model (torch.compile) does without graph breaks at bucket boundaries; "
+                   f"grad_sync='native' gets DDP's graph splitting")
+        self._suspect = self._suspect + 1 if why else 0
+        if self._suspect < SUSPECT_STEPS:
+            return None
+        self.said = True
+        return f"GradSync: overlap lost in synchronised steps {step - SUSPECT_STEPS + 1}-{step}: {why}."
