@@ -82,8 +82,9 @@ print(report)
 
 # %% [markdown]
 # The dicts printed during training are the Trainer's own logs (every `logging_steps`); hfstream
-# adds its `stream/*` keys to them, so TensorBoard or W&B would receive the breakdown too. The
-# table is `trainer.stream_report()`, averaged over the steps after the first.
+# adds its `stream/*` keys to what the reporters receive, so TensorBoard or W&B would get the
+# breakdown too, while `trainer.state.log_history` stays exactly the stock Trainer's. The table
+# is `trainer.stream_report()`, averaged over the steps after the first.
 #
 # Read the table from the top. *data wait* is the time the step waited for its batch (here the
 # loader collates on the main thread: `dataloader_num_workers=0`). *forward*, *backward* and

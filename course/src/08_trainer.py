@@ -17,7 +17,8 @@
 # | `get_train_dataloader`, `get_batch_samples` | batches pulled through a `StreamPrefetcher`, `prefetch_depth` ahead, across accumulation boundaries | 03 |
 # | `_wrap_model` | Accelerate places the model but does not wrap it in DDP; `GradSync` hooks it in place (state-dict keys, `save_pretrained` untouched) | 05, 06 |
 # | `training_step` | `require_backward_grad_sync` follows `accelerator.sync_gradients` (no communication on accumulation micro-steps), and `finish()` right after the syncing backward, so clipping sees averaged gradients | 07 |
-# | `log` | the step breakdown against the ceiling as `stream/*` entries of the Trainer's logs (TensorBoard, W&B, ...) | 00, 01 |
+# | `log` | the step breakdown against the ceiling as `stream/*` entries of what the reporters get (TensorBoard, W&B, ...), kept out of `state.log_history` | 00, 01 |
+# | `train` | watches every phase for a stopped peer (lesson 07's timeouts, for the whole run) and, at the end, closes what it opened | 07 |
 #
 # The whole migration is two names: `Trainer` → `StreamTrainer`, `TrainingArguments` →
 # `StreamTrainingArguments`. With `prefetch_depth=0, grad_sync="native"` it behaves exactly like the
