@@ -1,5 +1,6 @@
-"""`python -m hfstream.tools.gpu_check` without a GPU: it skips in one line with exit code 0; its
-table, JSON, time boxes and bookkeeping work (on fakes); and it imports only what the GPU machine has.
+"""`python -m hfstream.tools.gpu_check` (the package hfstream/tools/gpu_check/) without a GPU: it
+skips in one line with exit code 0; its table, JSON, time boxes and bookkeeping work (on fakes);
+and each of its modules imports only what the GPU machine has.
 
 Nothing here needs a GPU. The parts themselves run on a GPU (`make gpu-check`); the slow test
 at the end runs them on CPU (`--on-cpu`), CUDA-only checks left out.
@@ -8,6 +9,7 @@ at the end runs them on CPU (`--on-cpu`), CUDA-only checks left out.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,9 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfstream.tools import gpu_check as gc
+from hfstream.tools.gpu_check.checks import Checks
+from hfstream.tools.gpu_check.gpu_tests import gpu_test_files, parse_pytest_summary, pytest_part
+from hfstream.tools.gpu_check.procs import run_child
+from hfstream.tools.gpu_check.runner import MIN_PART_S, PARTS, RUN_ORDER, TIMEOUTS, TITLES, main, run_all
+from hfstream.tools.gpu_check.syncdebug import SyncRecorder
+from hfstream.tools.gpu_check.table import format_table, overall_status, write_json
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "hfstream" / "tools" / "gpu_check"
 
 
 def _env():
@@ -46,19 +54,37 @@ def test_without_a_gpu_it_skips_in_one_line_with_exit_code_0(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
-def test_the_module_imports_nothing_heavy_and_never_datasets():
-    proc = subprocess.run([sys.executable, "-c", "import sys, hfstream.tools.gpu_check; "
-                           "assert not {'torch', 'transformers', 'datasets'} & set(sys.modules), sorted(sys.modules)"],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    # Nor lazily, inside a part: the GPU machine has no `datasets` (hfstream.tools.data imports it).
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file of the package imports, at the top or inside a function, as absolute names."""
     names = set()
-    for node in ast.walk(ast.parse(Path(gc.__file__).read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    assert not {n for n in names if n.split(".")[0] == "datasets" or n.startswith("hfstream.tools")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = "hfstream.tools.gpu_check".split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            names |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return names
+
+
+def test_the_package_imports_nothing_heavy_and_never_datasets():
+    modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
+    assert {"__main__", "runner", "table"} <= set(modules)
+    script = ("import sys, hfstream.tools.gpu_check\n"
+              "heavy = lambda: {'torch', 'transformers', 'datasets'} & set(sys.modules)\n"
+              "assert not heavy(), sorted(sys.modules)\n"
+              + "".join(f"import hfstream.tools.gpu_check.{m}\n" for m in modules)
+              + "assert not heavy(), sorted(sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    # Nor lazily, inside a part: the GPU machine has no `datasets` (hfstream.tools.data imports it).
+    for path in PACKAGE.glob("*.py"):
+        names = _imported_modules(path)
+        assert not {n for n in names if n.split(".")[0] == "datasets"
+                    or (n.startswith("hfstream.tools") and not n.startswith("hfstream.tools.gpu_check"))}, path.name
 
 
 # -- the table and the JSON ------------------------------------------------------------------
@@ -70,22 +96,22 @@ HEADER = {"date": "2026-05-10T12:00:00+00:00", "device": "NVIDIA H200 (sm_90, 14
 
 def fake_results():
     return [
-        {"name": "pytest", "title": gc.TITLES["pytest"], "status": "skip", "seconds": 0.4,
+        {"name": "pytest", "title": TITLES["pytest"], "status": "skip", "seconds": 0.4,
          "summary": ["pytest is not installed here: the tests marked gpu did not run"]},
-        {"name": "gradsync", "title": gc.TITLES["gradsync"], "status": "pass", "seconds": 18.25,
+        {"name": "gradsync", "title": TITLES["gradsync"], "status": "pass", "seconds": 18.25,
          "summary": ["grads = single-process mean over 5 steps", "6/6 buckets launched in backward " + "x" * 150],
          "numbers": {"comm_busy_ms": float("nan"), "spans": (1, 2)}},
-        {"name": "prefetch", "title": gc.TITLES["prefetch"], "status": "fail", "seconds": 7.0,
+        {"name": "prefetch", "title": TITLES["prefetch"], "status": "fail", "seconds": 7.0,
          "summary": ["step ms: sync 5.10, pinned 2.62, prefetch 2.90"],
          "failed": ["prefetch is not slower than the plain pinned loop: 2.90 vs 2.62 ms"],
          "detail": "Traceback (most recent call last):\nRuntimeError: boom"},
-        {"name": "trainer", "title": gc.TITLES["trainer"], "status": "fail", "seconds": None,
+        {"name": "trainer", "title": TITLES["trainer"], "status": "fail", "seconds": None,
          "failed": ["timed out after 90 s (killed)"]},
     ]
 
 
 def test_format_table_on_fake_results():
-    text = gc.format_table(HEADER, fake_results())
+    text = format_table(HEADER, fake_results())
     lines = text.splitlines()
     assert lines[0].startswith("hfstream gpu-check")
     top = lines.index(next(l for l in lines if l.startswith("part ")))
@@ -96,9 +122,9 @@ def test_format_table_on_fake_results():
     assert "git" not in head                                       # empty fields are left out
     assert lines[top].split() == ["part", "status", "secs", "key", "numbers"]
     rows = {r["title"]: next(l for l in lines if l.startswith(r["title"])) for r in fake_results()}
-    assert " pass " in rows[gc.TITLES["gradsync"]] and "18.2" in rows[gc.TITLES["gradsync"]]
-    assert " skip " in rows[gc.TITLES["pytest"]] and " fail " in rows[gc.TITLES["prefetch"]]
-    assert "   -  " in rows[gc.TITLES["trainer"]]                 # no time known
+    assert " pass " in rows[TITLES["gradsync"]] and "18.2" in rows[TITLES["gradsync"]]
+    assert " skip " in rows[TITLES["pytest"]] and " fail " in rows[TITLES["prefetch"]]
+    assert "   -  " in rows[TITLES["trainer"]]                 # no time known
     assert "FAILED prefetch is not slower than the plain pinned loop" in text
     assert "FAILED timed out after 90 s (killed)" in text
     assert max(len(l) for l in lines) <= 118                       # long numbers wrap
@@ -112,7 +138,7 @@ def test_format_table_on_fake_results():
 
 def test_json_is_strict_and_round_trips(tmp_path):
     path = tmp_path / "runs" / "gpu_check.json"               # the folder is created
-    gc.write_json(path, HEADER, fake_results())
+    write_json(path, HEADER, fake_results())
     doc = json.loads(path.read_text())
     assert doc["overall"] == "fail" and doc["header"]["device"].startswith("NVIDIA H200")
     assert [p["name"] for p in doc["parts"]] == ["pytest", "gradsync", "prefetch", "trainer"]
@@ -122,14 +148,14 @@ def test_json_is_strict_and_round_trips(tmp_path):
 
 def test_an_unknown_part_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
-        gc.main(["--parts", "gradsync,nope"])
+        main(["--parts", "gradsync,nope"])
     assert exc.value.code == 2 and "unknown part(s) ['nope']" in capsys.readouterr().err
 
 
 def test_overall_status():
-    assert gc.overall_status([{"status": "pass"}, {"status": "skip"}]) == "pass"
-    assert gc.overall_status([{"status": "pass"}, {"status": "fail"}]) == "fail"
-    assert gc.overall_status([{"status": "skip"}]) == "skip"
+    assert overall_status([{"status": "pass"}, {"status": "skip"}]) == "pass"
+    assert overall_status([{"status": "pass"}, {"status": "fail"}]) == "fail"
+    assert overall_status([{"status": "skip"}]) == "skip"
 
 
 # -- running the parts: failures recorded, time boxes, the budget ------------------------------
@@ -145,14 +171,14 @@ def test_run_all_records_each_failure_and_runs_the_rest():
             return {"status": "fail", "failed": ["batches differ"]}
         return {"status": "pass", "summary": [name]}
 
-    results = gc.run_all(list(gc.PARTS), runner, budget_s=10_000, quick=False)
-    assert [n for n, _ in ran] == list(gc.RUN_ORDER)              # every part ran, the gpu tests last
-    assert [r["name"] for r in results] == list(gc.PARTS)         # the table keeps the numbering
+    results = run_all(list(PARTS), runner, budget_s=10_000, quick=False)
+    assert [n for n, _ in ran] == list(RUN_ORDER)              # every part ran, the gpu tests last
+    assert [r["name"] for r in results] == list(PARTS)         # the table keeps the numbering
     by = {r["name"]: r for r in results}
     assert by["gradsync"]["status"] == "fail" and "the runner broke" in by["gradsync"]["failed"][0]
     assert by["prefetch"]["status"] == "fail" and by["trainer"]["status"] == "pass"
-    assert dict(ran) == {n: gc.TIMEOUTS[n][0] for n in gc.PARTS}  # each its own time box
-    assert all(r["title"] == gc.TITLES[r["name"]] and r["seconds"] >= 0 for r in results)
+    assert dict(ran) == {n: TIMEOUTS[n][0] for n in PARTS}  # each its own time box
+    assert all(r["title"] == TITLES[r["name"]] and r["seconds"] >= 0 for r in results)
 
 
 @pytest.mark.parametrize("overhead", [0, 30])
@@ -166,13 +192,13 @@ def test_run_all_holds_the_whole_run_to_the_budget(overhead):
         return {"status": "pass"}
 
     budget = 200
-    results = gc.run_all(["gradsync", "prefetch", "ws1", "trainer"], runner, budget_s=budget, quick=False,
-                         clock=lambda: now[0])
+    results = run_all(["gradsync", "prefetch", "ws1", "trainer"], runner, budget_s=budget, quick=False,
+                      clock=lambda: now[0])
     by = {r["name"]: r for r in results}
     assert by["gradsync"]["status"] == "pass" and by["prefetch"]["status"] == "pass"
     if overhead == 0:        # the boxes shrink so that every part still gets its minimum, within the budget
         assert all(r["status"] == "pass" for r in results) and now[0] <= budget
-        assert boxes["trainer"] >= gc.MIN_PART_S
+        assert boxes["trainer"] >= MIN_PART_S
     else:                    # parts that overran leave no time: the rest are skipped, said so
         skipped = [r for r in results if r["status"] == "skip"]
         assert skipped and all("budget" in r["summary"][0] for r in skipped)
@@ -185,7 +211,7 @@ def test_run_child_kills_the_whole_session_at_its_time_box():
               "print('grandchild', p.pid, flush=True)\n"
               "time.sleep(60)\n")
     t0 = time.monotonic()
-    rc, text, secs = gc.run_child([sys.executable, "-c", script], timeout_s=3)
+    rc, text, secs = run_child([sys.executable, "-c", script], timeout_s=3)
     assert rc is None and secs < 20 and time.monotonic() - t0 < 20
     pid = int(text.split("grandchild")[1].split()[0])
     deadline = time.monotonic() + 10
@@ -202,7 +228,7 @@ def test_run_child_kills_the_whole_session_at_its_time_box():
 
 
 def test_run_child_reports_exit_code_and_output():
-    rc, text, _ = gc.run_child([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], timeout_s=30)
+    rc, text, _ = run_child([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], timeout_s=30)
     assert rc == 3 and "boom" in text
 
 
@@ -216,7 +242,7 @@ def test_run_child_reports_exit_code_and_output():
     ("===== no tests ran in 0.01s =====", {}),
 ])
 def test_parse_pytest_summary(line, expected):
-    counts = gc.parse_pytest_summary("collecting ...\n.....s\n" + line + "\n")
+    counts = parse_pytest_summary("collecting ...\n.....s\n" + line + "\n")
     assert counts == {**dict.fromkeys(counts, 0), **expected}
 
 
@@ -225,8 +251,8 @@ def test_gpu_test_files_are_the_ones_that_mark_a_test(tmp_path):
     (tmp_path / "test_a.py").write_text(f"import pytest\n@pytest.{marker}\ndef test_x(): pass\n")
     (tmp_path / "test_b.py").write_text(f"import pytest\npytestmark = pytest.{marker}_something\n")
     (tmp_path / "test_c.py").write_text("def test_y(): pass\n")
-    assert [p.name for p in gc.gpu_test_files(tmp_path)] == ["test_a.py"]
-    found = [p.name for p in gc.gpu_test_files(REPO / "tests")]
+    assert [p.name for p in gpu_test_files(tmp_path)] == ["test_a.py"]
+    found = [p.name for p in gpu_test_files(REPO / "tests")]
     assert "test_prefetch_gpu.py" in found and Path(__file__).name not in found
 
 
@@ -238,20 +264,20 @@ def _canned(text, rc=0):
 
 
 def test_pytest_part_verdicts(monkeypatch):
-    ok = gc.pytest_part(100, gpu_present=True, runner=_canned("14 passed in 3.0s\n"))
+    ok = pytest_part(100, gpu_present=True, runner=_canned("14 passed in 3.0s\n"))
     assert ok["status"] == "pass" and ok["summary"][0].startswith("14 passed, 0 failed")
-    bad = gc.pytest_part(100, True, runner=_canned("FAILED tests/test_prefetch_gpu.py::test_x - assert 0\n"
-                                                   "1 failed, 13 passed in 3.0s\n", rc=1))
+    bad = pytest_part(100, True, runner=_canned("FAILED tests/test_prefetch_gpu.py::test_x - assert 0\n"
+                                                "1 failed, 13 passed in 3.0s\n", rc=1))
     assert bad["status"] == "fail" and bad["failed"] == ["FAILED tests/test_prefetch_gpu.py::test_x - assert 0"]
     all_skipped = "14 skipped in 0.4s\n"
-    assert gc.pytest_part(100, True, runner=_canned(all_skipped))["status"] == "fail"   # a GPU, yet nothing ran
-    assert gc.pytest_part(100, False, runner=_canned(all_skipped))["status"] == "skip"
-    timed_out = gc.pytest_part(100, True, runner=_canned("....", rc=None))
+    assert pytest_part(100, True, runner=_canned(all_skipped))["status"] == "fail"   # a GPU, yet nothing ran
+    assert pytest_part(100, False, runner=_canned(all_skipped))["status"] == "skip"
+    timed_out = pytest_part(100, True, runner=_canned("....", rc=None))
     assert timed_out["status"] == "fail" and "timed out" in timed_out["failed"][0]
 
-    real_find_spec = gc.importlib.util.find_spec
-    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real_find_spec(name, *a))
-    missing = gc.pytest_part(100, True, runner=_canned("unused"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real_find_spec(name, *a))
+    missing = pytest_part(100, True, runner=_canned("unused"))
     assert missing["status"] == "skip" and "pytest is not installed" in missing["summary"][0]
 
 
@@ -265,7 +291,7 @@ def test_sync_recorder_tags_each_sync_with_its_phase_and_line(monkeypatch):
     def sync_here():
         warnings.warn("called a synchronizing CUDA operation", UserWarning)
 
-    with gc.SyncRecorder() as rec:
+    with SyncRecorder() as rec:
         rec.phase("forward")
         warnings.warn("something else", UserWarning)              # not a sync: not counted
         rec.phase("backward")
@@ -283,7 +309,7 @@ def test_sync_recorder_tags_each_sync_with_its_phase_and_line(monkeypatch):
 
 
 def test_checks_pass_only_when_every_check_holds():
-    c = gc.Checks()
+    c = Checks()
     c.add("a", True)
     assert c.result(["s"], {})["status"] == "pass"
     c.add("b", False, "why")

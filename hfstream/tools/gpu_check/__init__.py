@@ -1,0 +1,39 @@
+"""``python -m hfstream.tools.gpu_check``: everything that needs a GPU, in one run, one table.
+
+Meant for a machine lent one NVIDIA GPU for a few minutes (``make gpu-check``): it runs with
+the machine's own python and ``PYTHONPATH=.``, no install, no network, and imports only torch,
+transformers, accelerate, the standard library and hfstream's training path (never ``datasets``
+nor ``hfstream.tools.data``). Without a GPU it prints one line and exits 0.
+
+    python -m hfstream.tools.gpu_check [--json runs/gpu_check.json] [--quick] [--parts gradsync,prefetch]
+
+The parts (each in its own child process with its own time box, so a hang, a crash or a broken
+CUDA context in one is recorded in the table and the others still run):
+
+    1 pytest    the tests marked ``gpu`` (``pytest -m gpu`` on the test files that mark any)
+    2 gradsync  GradSync on 2 ranks over gloo, both on cuda:0: gradients equal the
+                single-process mean, buckets launched from the hooks on the side stream, and
+                the host never waits for the device while forward, backward and the launches run
+    3 prefetch  StreamPrefetcher on copy-heavy batches against a plain pinned
+                ``.to(non_blocking=True)`` loop and a plain synchronous copy, a matmul per step
+                as long as the copy; batches intact; the consume loop under
+                ``set_sync_debug_mode("error")``
+    4 ws1       GradSync on one process (no process group) costs nothing: step time with and
+                without it
+    5 trainer   a StreamTrainer run (tiny GPT-2 from a config, 20 steps): it trains, and its
+                ``stream_report()``
+
+The modules (each imports only the standard library when imported; torch, transformers and
+hfstream's training path are imported inside the functions that run a part):
+
+    runner       the parts, their time boxes and the whole run's budget; each part in a child
+                 process; the header; the command line (``__main__`` calls its ``main``)
+    procs        a child process in its own session, killed whole at its time box; its environment
+    table        the table and the JSON
+    checks       what the parts share: the named checks, the device, a small MLP
+    syncdebug    how a host sync is seen: ``set_sync_debug_mode`` "error" and "warn", a device sleep
+    gpu_tests    part 1
+    gradsync     part 2 (what synchronises in a GradSync step is described there)
+    prefetch     part 3
+    one_process  parts 4 and 5
+"""
