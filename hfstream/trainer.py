@@ -36,6 +36,7 @@ from accelerate.utils import DistributedType, gather_object
 from transformers import Trainer
 
 from .args import StreamTrainingArguments
+from .clean_exit import release_at_exit
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
 from .timeline import FIELDS, StepTimeline, StreamReport, combine_ranks
 
@@ -247,6 +248,7 @@ class StreamTrainerMixin:
                 timeout=self.args.ddp_timeout,
                 broadcast_buffers=bool(self.args.ddp_broadcast_buffers),
             )
+            release_at_exit(self.grad_sync)   # a finished run must exit 0 (clean_exit.py)
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
                 logger.info("hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
                             self.args.ddp_bucket_cap_mb)

@@ -506,6 +506,10 @@ class GradSync:
             st.buffer, st.views, st.flags = None, [], None
         self._active = False
         self.closed = True
+        # Let go of the group (the bucket tuner holds it too): a gloo group keeps its worker threads
+        # until its last reference is gone, and threads still alive when the interpreter's teardown
+        # begins can abort the process (see hfstream.trainer._release_at_exit).
+        self.process_group, self._auto = None, None
 
     def __enter__(self) -> "GradSync":
         return self
