@@ -48,9 +48,10 @@ import torch
 import torch.distributed as dist
 
 from .. import streams
-from . import faults, registry
+from . import faults, registry, shard_optim
 from .broadcast import broadcast_from_rank0
 from .buckets import DDP_BUCKET_MB, Bucket, plan_buckets
+from .sharded import ShardedBuckets
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
 from .order import ArrivalOrder, planning_sequence
 from .stats import StatsRecorder, SyncStats
@@ -71,6 +72,7 @@ class _BucketState:
         self.buffer: torch.Tensor | None = None   # allocated at first launch, then reused
         self.views: list[torch.Tensor] = []       # each parameter's slice of it, in its shape
         self.flags: torch.Tensor | None = None    # one "used" flag per parameter, after the gradients
+        self.shard = None                         # mode="sharded": its `sharded.BucketShard`
         self.reset()
 
     def allocate(self) -> None:
@@ -101,7 +103,10 @@ class GradSync:
             Trainer) = tuned online in the first synchronised steps, the same on every rank
             (`hfstream.gradsync.tune`): DDP's fixed 25 MiB is often far from the best cap.
         mode: ``"overlap"`` launches each bucket from the hooks as soon as it is complete;
-            ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured against).
+            ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured against);
+            ``"sharded"`` reduce-scatters instead, launched like ``"overlap"``, and all-gathers the
+            parameters after the step of the optimizer returned by `shard_optimizer` (`sharded`,
+            docs/design.md section 7).
         process_group: the data-parallel group; None = the default group.
         comm_dtype: None sends gradients in their own dtype; ``"bf16"``/``"fp16"`` compress
             floating-point buckets on the wire: each rank divides by the world size in the
@@ -179,6 +184,7 @@ class GradSync:
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self._active = self.world_size > 1
+        self._sharded = ShardedBuckets(self) if (mode == "sharded" and self._active) else None
         self.closed = False
         self._abandoned: list = []   # (buffer, work) of collectives that never completed
         self._handles: list = []
@@ -268,6 +274,8 @@ class GradSync:
     def _on_forward(self, module: torch.nn.Module, _args) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
+        if self._sharded is not None:
+            self._sharded.forward_started()   # raises until the optimizer is sharded
         if self.require_backward_grad_sync:
             self._forward_time = time.perf_counter()
             # A synchronised forward promises a synchronised backward. If this rank's backward then
@@ -282,6 +290,8 @@ class GradSync:
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
             st, slot = self._where[i]
+            if self._sharded is not None:
+                self._sharded.check_current(st, slot)   # raises if the forward read a stale value
             if st.work is not None:
                 # finish() would overwrite this contribution with the mean computed without it.
                 raise RuntimeError(
@@ -315,6 +325,8 @@ class GradSync:
     def _launch(self, st: _BucketState) -> None:
         device = st.plan.device
         stream = self._streams.get(device)
+        if self._sharded is not None:
+            self._sharded.ready_to_pack(st)
         if st.buffer is None:
             st.allocate()
         if stream is not None:
@@ -323,7 +335,8 @@ class GradSync:
         with streams.use_stream(stream) if stream is not None else contextlib.nullcontext():
             self._pack(st, stream)
             self._recorder.launched(st, stream)
-            st.work = dist.all_reduce(st.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            st.work = (self._sharded.launch(st) if self._sharded is not None else
+                       dist.all_reduce(st.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True))
             st.done = st.work.get_future().then(functools.partial(self._recorder.completed, st))
         self._launch_order.append(st.plan.index)
         self._next += 1
@@ -344,6 +357,9 @@ class GradSync:
             # partial sums on a compressed wire stay within max_r |g_r|. One op per parameter that
             # scales while it copies (measured faster on CPU than a fused copy and a scaling pass).
             torch.div(grad, world_size, out=dst)
+        if self._sharded is not None:
+            self._sharded.packed(st)   # no "used" flags: an unused parameter's slice gets a zero mean
+            return
         if all(st.used):
             st.flags.fill_(1)
         else:
@@ -396,7 +412,7 @@ class GradSync:
         self._steps += 1
         if not self._arrival.done:
             self._plan_in_arrival_order()
-        elif self.mode == "overlap" and not self.notes:
+        elif self.mode != "serial" and not self.notes:
             self._check_overlap(*times)
         if self._auto is not None:
             self._tune_step()
@@ -404,6 +420,8 @@ class GradSync:
     finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
 
     def _unpack(self, st: _BucketState) -> None:
+        if self._sharded is not None:
+            return self._sharded.reduced(st)   # this rank's mean slice becomes the shard tensors' .grad
         used_anywhere = None
         if not all(st.used):
             # Only a bucket with a parameter unused here needs the flags on the host (a device sync).
@@ -466,8 +484,13 @@ class GradSync:
         self._planned_mb = cap_mb
         plan = self._plan_for(cap_mb)
         if [b.names for b in plan] != [b.names for b in self.buckets]:
+            if self._sharded is not None:
+                self._sharded.wait_for_params()
+            old = self._states
             self.buckets = plan
             self._build_states()
+            if self._sharded is not None and self._sharded.attached:
+                self._sharded.rebuilt(old)   # collectives: gradient slices and optimizer state move along
             self._reset_step()
 
     # -- what happened, what is pending ----------------------------------------------------------
@@ -492,6 +515,50 @@ class GradSync:
         if not self._active or not self._sync_pending:
             return ""
         return faults.pending_report(self.rank, self._states, self._launch_order, serial=self.mode == "serial")
+
+    # -- mode="sharded": the optimizer, clipping, complete parameters ------------------------------
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer`` hold and step this rank's slices only; returns it (the same object).
+
+        Call it once, before the optimizer's first step, on an optimizer built over the model's
+        parameters (frozen ones may be in it; every trainable one must be). Its class, param groups
+        and hyperparameters stay; its parameters become flat shard tensors whose ``.grad`` is this
+        rank's mean-gradient slice after `finish()`, and its ``step()`` then launches the
+        all-gathers that bring the updated parameters back (waited for by the next forward). With
+        one process it is returned unchanged. See `shard_optim`.
+
+        Raises:
+            ValueError, TypeError, RuntimeError: not mode="sharded", not an optimizer, already
+                sharded or stepped, parameters that are not the model's trainable ones.
+        """
+        return shard_optim.shard_optimizer(self, optimizer)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the mean gradient by its global norm; returns that norm, as ``torch.nn.utils.clip_grad_norm_``.
+
+        Call after `finish()`. Under ``mode="sharded"`` each rank holds a slice of the gradient: its
+        local norm, one scalar all-reduce and the same coefficient on every rank give the result
+        of clipping the whole gradient. In the other modes (and with one process) it is
+        ``torch.nn.utils.clip_grad_norm_`` over the trainable parameters.
+        """
+        return shard_optim.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def wait_for_params(self) -> None:
+        """Under ``mode="sharded"``: wait for every all-gather since the last step; the model is then current.
+
+        A module's forward waits for its own parameters, and ``state_dict``/``load_state_dict`` wait
+        by themselves; call this before anything else reads parameters between ``optimizer.step()``
+        and the next forward (evaluation code that reads them directly, a copy, EMA weights, the end
+        of training). A no-op in the other modes.
+        """
+        if self._sharded is not None:
+            self._sharded.wait_for_params()
+
+    @property
+    def params_pending(self) -> list[int]:
+        """Buckets whose updated parameters have not reached the model yet (``mode="sharded"``; else [])."""
+        return self._sharded.pending if self._sharded is not None else []
 
     # -- control ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -519,6 +586,8 @@ class GradSync:
 
         Reductions still in flight are abandoned, not waited for (call ``finish()`` first).
         """
+        if self._sharded is not None:
+            self._sharded.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
