@@ -349,6 +349,14 @@ def behaviour_suite(rank, world_size):
     sync.wait_for_params()
     out["pending_after_wait"] = list(sync.params_pending)
     out["after_wait"] = _state(model)
+    # load_state_dict() between steps takes effect: the slices are taken from the loaded values, so
+    # the next all-gather brings those back, not the slices from before.
+    loaded = {k: v + 1.0 for k, v in _state(model).items()}
+    model.load_state_dict(loaded)
+    opt.zero_grad()   # no gradient: the step changes nothing, the gathers still run
+    opt.step()
+    sync.wait_for_params()
+    out["after_load"] = all(torch.equal(v, loaded[k]) for k, v in _state(model).items())
     # A parameter read without its owner's forward, before its gather arrived: refused, not stale.
     model.reads_other = True
     model(x).pow(2).mean().backward()
@@ -390,6 +398,12 @@ def test_wait_for_params_leaves_complete_identical_parameters(behaviour):
     assert r0["pending_after_wait"] == r1["pending_after_wait"] == []
     for name, value in r0["after_wait"].items():
         assert torch.equal(value, r1["after_wait"][name]), name
+
+
+@pytest.mark.multiprocess
+def test_load_state_dict_between_steps_is_what_the_next_gather_brings_back(behaviour):
+    for res in behaviour:
+        assert res["after_load"]
 
 
 @pytest.mark.multiprocess

@@ -97,45 +97,49 @@ def carry_over(optimizer, old_states, new_states, named, group, world_size: int)
     the same for every shard tensor and is copied.
     """
     old_tensors = [t for st in old_states for _, t in st.shard.tensors]
-    per_element, scalars = {}, {}
+    per_element, scalars = {}, {}   # per_element: key -> {parameter dtype: state dtype}
     for t in old_tensors:
         for k, v in optimizer.state.get(t, {}).items():
             if torch.is_tensor(v) and v.dim() > 0 and v.shape == t.shape:
-                per_element[k] = v.dtype
+                per_element.setdefault(k, {})[t.dtype] = v.dtype
             else:
                 scalars.setdefault(k, v)
-    # A rank may hold no state (all its slices are padding): agree on the keys and the scalars.
+    # A rank may hold no state (all its slices are padding): agree on the keys, dtypes and scalars.
     views = [None] * world_size
     dist.all_gather_object(views, (per_element, {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in scalars.items()}),
                            group=group)
     for keys, values in views:
-        per_element = {**keys, **per_element}
+        for k, dtypes in keys.items():
+            per_element[k] = {**dtypes, **per_element.get(k, {})}
         for k, v in values.items():
             scalars.setdefault(k, v)
     index = {id(p): i for i, (_, p) in enumerate(named)}
 
-    def move(dtype, old_slice, assign) -> None:
+    def move(dtype_of, old_slice, assign) -> None:
+        # Buckets hold one dtype each; a parameter's old and new bucket have the same one.
         whole = {}
         for st in old_states:
             sh = st.shard
-            gathered = torch.empty(sh.size * world_size, dtype=dtype, device=sh.master.device)
-            collectives.launch_all_gather(gathered, old_slice(st).to(dtype), group).wait()
+            gathered = torch.empty(sh.size * world_size, dtype=dtype_of(st), device=sh.master.device)
+            collectives.launch_all_gather(gathered, old_slice(st), group).wait()
             for o, p in zip(sh.offsets, sh.params):
                 whole[index[id(p)]] = gathered[o:o + p.numel()]
         for st in new_states:
             sh = st.shard
-            new = torch.zeros(sh.size, dtype=dtype, device=sh.master.device)
+            new = torch.zeros(sh.size, dtype=dtype_of(st), device=sh.master.device)
             for o, p in zip(sh.offsets, sh.params):
                 a, b = max(o, sh.lo), min(o + p.numel(), sh.lo + sh.size)
                 if b > a:
                     new[a - sh.lo:b - sh.lo] = whole[index[id(p)]][a - o:b - o]
             assign(st, new)
 
-    move(old_states[0].shard.grad.dtype if old_states else torch.float32,
-         lambda st: st.shard.grad, lambda st, new: st.shard.grad.copy_(new))
-    for key, dtype in sorted(per_element.items()):
-        def old_slice(st, key=key, dtype=dtype):
-            out = torch.zeros(st.shard.size, dtype=dtype, device=st.shard.master.device)
+    move(lambda st: st.shard.grad.dtype, lambda st: st.shard.grad, lambda st, new: st.shard.grad.copy_(new))
+    for key, dtypes in sorted(per_element.items()):
+        def dtype_of(st, dtypes=dtypes):
+            return dtypes.get(st.plan.dtype, st.plan.dtype)
+
+        def old_slice(st, key=key, dtype_of=dtype_of):
+            out = torch.zeros(st.shard.size, dtype=dtype_of(st), device=st.shard.master.device)
             for (_, t), (_, a, b) in zip(st.shard.tensors, st.shard.pieces):
                 if key in optimizer.state.get(t, {}):
                     out[a:b] = optimizer.state[t][key]
@@ -144,7 +148,7 @@ def carry_over(optimizer, old_states, new_states, named, group, world_size: int)
         def assign(st, new, key=key):
             for (_, t), (_, a, b) in zip(st.shard.tensors, st.shard.pieces):
                 optimizer.state[t][key] = new[a:b].clone()
-        move(dtype, old_slice, assign)
+        move(dtype_of, old_slice, assign)
     for t in old_tensors:
         optimizer.state.pop(t, None)
     for st in new_states:
