@@ -419,6 +419,16 @@ def test_parameter_read_before_its_gather_arrived_is_refused(behaviour):
         assert msg is not None and "side.weight" in msg and "wait_for_params()" in msg, msg
 
 
+# -- the probe behind the choice of primitives ----------------------------------------------------
+@pytest.mark.multiprocess
+def test_collectives_probe_checks_every_primitive_it_times():
+    from hfstream.tools.bench.collectives import probe
+
+    for res in run_on_ranks(probe, 2, 0.01, 1, timeout=60):
+        assert set(res) >= {"all_reduce", "reduce_scatter", "all_to_all + local sum", "all_gather (single tensor)"}
+        assert all(ok and ms > 0 for ok, ms in res.values()), res
+
+
 # -- single process: misuse, world size 1 ------------------------------------------------------------
 def test_sharding_an_optimizer_that_has_stepped_is_refused():
     model = TiedFrozenBranch()

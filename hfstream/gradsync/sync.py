@@ -32,7 +32,9 @@ gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
 Beside this core: `buckets` (the plan), `order` (planned in the order gradients arrive), `stats`
 (what communication cost), `faults` (bounded waits, what a stuck step waits for), `tune`
 (``bucket_mb="auto"``), `registry` (one GradSync per model), `broadcast` (rank 0's weights),
-`options` (the accepted argument values).
+`options` (the accepted argument values); ``mode="sharded"`` (reduce-scatter in backward,
+all-gather after the step) is `sharded`, `shard_optim` and `collectives`, called from here
+wherever ``self._sharded`` appears.
 """
 
 from __future__ import annotations
@@ -516,48 +518,36 @@ class GradSync:
             return ""
         return faults.pending_report(self.rank, self._states, self._launch_order, serial=self.mode == "serial")
 
-    # -- mode="sharded": the optimizer, clipping, complete parameters ------------------------------
+    # -- mode="sharded": the optimizer, clipping, complete parameters (`sharded`, `shard_optim`) ----
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Make ``optimizer`` hold and step this rank's slices only; returns it (the same object).
+        """Make ``optimizer`` hold and step this rank's slices only; returns it, converted in place.
 
-        Call it once, before the optimizer's first step, on an optimizer built over the model's
-        parameters (frozen ones may be in it; every trainable one must be). Its class, param groups
-        and hyperparameters stay; its parameters become flat shard tensors whose ``.grad`` is this
-        rank's mean-gradient slice after `finish()`, and its ``step()`` then launches the
-        all-gathers that bring the updated parameters back (waited for by the next forward). With
-        one process it is returned unchanged. See `shard_optim`.
-
-        Raises:
-            ValueError, TypeError, RuntimeError: not mode="sharded", not an optimizer, already
-                sharded or stepped, parameters that are not the model's trainable ones.
+        Call once, before its first step, on an optimizer over the model's parameters (every
+        trainable one). Class, param groups and hyperparameters stay; its ``step()`` launches the
+        all-gathers that the next forward waits for. With one process: returned unchanged.
         """
         return shard_optim.shard_optimizer(self, optimizer)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
-        """Clip the mean gradient by its global norm; returns that norm, as ``torch.nn.utils.clip_grad_norm_``.
+        """After `finish()`: ``torch.nn.utils.clip_grad_norm_`` on the whole mean gradient; returns the norm.
 
-        Call after `finish()`. Under ``mode="sharded"`` each rank holds a slice of the gradient: its
-        local norm, one scalar all-reduce and the same coefficient on every rank give the result
-        of clipping the whole gradient. In the other modes (and with one process) it is
-        ``torch.nn.utils.clip_grad_norm_`` over the trainable parameters.
+        Under ``mode="sharded"`` from the slices (one scalar all-reduce); otherwise torch's own.
         """
         return shard_optim.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def wait_for_params(self) -> None:
-        """Under ``mode="sharded"``: wait for every all-gather since the last step; the model is then current.
+        """``mode="sharded"``: wait for the all-gathers since the last step; the model is then current.
 
-        A module's forward waits for its own parameters, and ``state_dict``/``load_state_dict`` wait
-        by themselves; call this before anything else reads parameters between ``optimizer.step()``
-        and the next forward (evaluation code that reads them directly, a copy, EMA weights, the end
-        of training). A no-op in the other modes.
+        Forwards (per module) and ``state_dict``/``load_state_dict`` wait by themselves; call it
+        before anything else reads parameters between ``optimizer.step()`` and the next forward.
         """
         if self._sharded is not None:
             self._sharded.wait_for_params()
 
     @property
     def params_pending(self) -> list[int]:
-        """Buckets whose updated parameters have not reached the model yet (``mode="sharded"``; else [])."""
+        """Buckets whose updated parameters have not reached the model yet (``mode="sharded"``)."""
         return self._sharded.pending if self._sharded is not None else []
 
     # -- control ---------------------------------------------------------------------------------
