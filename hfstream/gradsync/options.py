@@ -11,7 +11,7 @@ import torch
 from .. import streams
 from .buckets import bucket_cap_bytes
 
-MODES = ("overlap", "serial")
+MODES = ("overlap", "serial", "sharded")
 STREAM_PRIORITIES = tuple(streams.PRIORITIES)   # "normal", "high"
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}          # wire dtypes, by their short name
 COMM_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
@@ -44,7 +44,8 @@ def check_arguments(mode: str, bucket_mb, first_bucket_mb, comm_stream_priority:
     """Raise a `ValueError` naming the first GradSync argument that is not valid, and what to pass instead."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not valid; accepted values: 'overlap' (reduce during backward), "
-                         f"'serial' (reduce everything in finish())")
+                         f"'serial' (reduce everything in finish()), 'sharded' (reduce-scatter during backward, "
+                         f"all-gather after the step: docs/design.md section 7)")
     if not (isinstance(bucket_mb, str) and bucket_mb == "auto"):
         try:
             bucket_cap_bytes(bucket_mb)

@@ -32,7 +32,9 @@ gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
 Beside this core: `buckets` (the plan), `order` (planned in the order gradients arrive), `stats`
 (what communication cost), `faults` (bounded waits, what a stuck step waits for), `tune`
 (``bucket_mb="auto"``), `registry` (one GradSync per model), `broadcast` (rank 0's weights),
-`options` (the accepted argument values).
+`options` (the accepted argument values); ``mode="sharded"`` (reduce-scatter in backward,
+all-gather after the step) is `sharded`, `shard_optim` and `collectives`, called from here
+wherever ``self._sharded`` appears.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ import torch
 import torch.distributed as dist
 
 from .. import streams
-from . import faults, registry
+from . import faults, registry, shard_optim
 from .broadcast import broadcast_from_rank0
 from .buckets import DDP_BUCKET_MB, Bucket, plan_buckets
+from .sharded import ShardedBuckets
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
 from .order import ArrivalOrder, planning_sequence
 from .overlap_check import OverlapCheck
@@ -68,6 +71,7 @@ class _BucketState:
         self.buffer: torch.Tensor | None = None   # allocated at first launch, then reused
         self.views: list[torch.Tensor] = []       # each parameter's slice of it, in its shape
         self.flags: torch.Tensor | None = None    # one "used" flag per parameter, after the gradients
+        self.shard = None                         # mode="sharded": its `sharded.BucketShard`
         self.reset()
 
     def allocate(self) -> None:
@@ -98,7 +102,10 @@ class GradSync:
             Trainer) = tuned online in the first synchronised steps, the same on every rank
             (`hfstream.gradsync.tune`): DDP's fixed 25 MiB is often far from the best cap.
         mode: ``"overlap"`` launches each bucket from the hooks as soon as it is complete;
-            ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured against).
+            ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured against);
+            ``"sharded"`` reduce-scatters instead, launched like ``"overlap"``, and all-gathers the
+            parameters after the step of the optimizer returned by `shard_optimizer` (`sharded`,
+            docs/design.md section 7).
         process_group: the data-parallel group; None = the default group.
         comm_dtype: None sends gradients in their own dtype; ``"bf16"``/``"fp16"`` compress
             floating-point buckets on the wire: each rank divides by the world size in the
@@ -176,6 +183,7 @@ class GradSync:
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self._active = self.world_size > 1
+        self._sharded = ShardedBuckets(self) if (mode == "sharded" and self._active) else None
         self.closed = False
         self._abandoned: list = []   # (buffer, work) of collectives that never completed
         self._handles: list = []
@@ -265,6 +273,8 @@ class GradSync:
     def _on_forward(self, module: torch.nn.Module, _args) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return
+        if self._sharded is not None:
+            self._sharded.forward_started()   # raises until the optimizer is sharded
         if self.require_backward_grad_sync:
             self._forward_time = time.perf_counter()
             # A synchronised forward promises a synchronised backward. If this rank's backward then
@@ -279,6 +289,8 @@ class GradSync:
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
             st, slot = self._where[i]
+            if self._sharded is not None:
+                self._sharded.check_current(st, slot)   # raises if the forward read a stale value
             if st.work is not None:
                 # finish() would overwrite this contribution with the mean computed without it.
                 raise RuntimeError(
@@ -312,6 +324,8 @@ class GradSync:
     def _launch(self, st: _BucketState) -> None:
         device = st.plan.device
         stream = self._streams.get(device)
+        if self._sharded is not None:
+            self._sharded.ready_to_pack(st)
         if st.buffer is None:
             st.allocate()
         if stream is not None:
@@ -320,7 +334,8 @@ class GradSync:
         with streams.use_stream(stream) if stream is not None else contextlib.nullcontext():
             self._pack(st, stream)
             self._recorder.launched(st, stream)
-            st.work = dist.all_reduce(st.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            st.work = (self._sharded.launch(st) if self._sharded is not None else
+                       dist.all_reduce(st.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True))
             st.done = st.work.get_future().then(functools.partial(self._recorder.completed, st))
         self._launch_order.append(st.plan.index)
         self._next += 1
@@ -341,6 +356,9 @@ class GradSync:
             # partial sums on a compressed wire stay within max_r |g_r|. One op per parameter that
             # scales while it copies (measured faster on CPU than a fused copy and a scaling pass).
             torch.div(grad, world_size, out=dst)
+        if self._sharded is not None:
+            self._sharded.packed(st)   # no "used" flags: an unused parameter's slice gets a zero mean
+            return
         if all(st.used):
             st.flags.fill_(1)
         else:
@@ -393,7 +411,7 @@ class GradSync:
         self._steps += 1
         if not self._arrival.done:
             self._plan_in_arrival_order()
-        elif self.mode == "overlap" and not self.notes:
+        elif self.mode != "serial" and not self.notes:
             note = self._overlap.step_done(self._steps, self.buckets, self._recorder.launched_in_backward, *times)
             if note:
                 self.notes.append(note)
@@ -404,6 +422,8 @@ class GradSync:
     finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
 
     def _unpack(self, st: _BucketState) -> None:
+        if self._sharded is not None:
+            return self._sharded.reduced(st)   # this rank's mean slice becomes the shard tensors' .grad
         used_anywhere = None
         if not all(st.used):
             # Only a bucket with a parameter unused here needs the flags on the host (a device sync).
@@ -444,8 +464,13 @@ class GradSync:
         self._planned_mb = cap_mb
         plan = self._plan_for(cap_mb)
         if [b.names for b in plan] != [b.names for b in self.buckets]:
+            if self._sharded is not None:
+                self._sharded.wait_for_params()
+            old = self._states
             self.buckets = plan
             self._build_states()
+            if self._sharded is not None and self._sharded.attached:
+                self._sharded.rebuilt(old)   # collectives: gradient slices and optimizer state move along
             self._reset_step()
 
     # -- what happened, what is pending ----------------------------------------------------------
@@ -470,6 +495,38 @@ class GradSync:
         if not self._active or not self._sync_pending:
             return ""
         return faults.pending_report(self.rank, self._states, self._launch_order, serial=self.mode == "serial")
+
+    # -- mode="sharded": the optimizer, clipping, complete parameters (`sharded`, `shard_optim`) ----
+    def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Make ``optimizer`` hold and step this rank's slices only; returns it, converted in place.
+
+        Call once, before its first step, on an optimizer over the model's parameters (every
+        trainable one). Class, param groups and hyperparameters stay; its ``step()`` launches the
+        all-gathers that the next forward waits for. With one process: returned unchanged.
+        """
+        return shard_optim.shard_optimizer(self, optimizer)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """After `finish()`: ``torch.nn.utils.clip_grad_norm_`` on the whole mean gradient; returns the norm.
+
+        Under ``mode="sharded"`` from the slices (one scalar all-reduce); otherwise torch's own.
+        """
+        return shard_optim.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def wait_for_params(self) -> None:
+        """``mode="sharded"``: wait for the all-gathers since the last step; the model is then current.
+
+        Forwards (per module) and ``state_dict``/``load_state_dict`` wait by themselves; call it
+        before anything else reads parameters between ``optimizer.step()`` and the next forward.
+        """
+        if self._sharded is not None:
+            self._sharded.wait_for_params()
+
+    @property
+    def params_pending(self) -> list[int]:
+        """Buckets whose updated parameters have not reached the model yet (``mode="sharded"``)."""
+        return self._sharded.pending if self._sharded is not None else []
 
     # -- control ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -497,6 +554,8 @@ class GradSync:
 
         Reductions still in flight are abandoned, not waited for (call ``finish()`` first).
         """
+        if self._sharded is not None:
+            self._sharded.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -508,7 +567,7 @@ class GradSync:
         self.closed = True
         # Let go of the group (the bucket tuner holds it too): a gloo group keeps its worker threads
         # until its last reference is gone, and threads still alive when the interpreter's teardown
-        # begins can abort the process (see hfstream.trainer._release_at_exit).
+        # begins can abort the process (see hfstream.clean_exit).
         self.process_group, self._auto = None, None
 
     def __enter__(self) -> "GradSync":

@@ -17,6 +17,8 @@ Modules:
     cli       the flags of `hfstream bench` and ``python -m hfstream.tools.bench``
     prefetch  `hfstream bench-prefetch`: stock Trainer vs prefetching with a costly collate
     soak      `hfstream soak`: resident memory, threads and open files over a long run
+    collectives  ``python -m hfstream.tools.bench.collectives``: what each half of an all-reduce
+              costs on gloo (the probe behind sharded mode's choice of primitives)
 """
 
 from __future__ import annotations

@@ -1,0 +1,63 @@
+"""The two halves of an all-reduce, each with the primitive that is actually cheaper on the backend.
+
+Sharded mode (`sharded`) reduce-scatters gradients and all-gathers parameters. The obvious
+primitives are not the cheapest everywhere. On gloo ``reduce_scatter_single`` costs about as
+much as a whole all-reduce (docs/design.md section 7: 242 vs 226 ms for 27 MB), because gloo
+implements it as one; ``all_to_all_single`` moves the same (N-1)/N of the bytes without the
+reduction, and a local sum of the N received chunks finishes the job for about half the time
+(119 ms). NCCL has a real ring reduce-scatter, so it is used there. The all-gather is
+``all_gather_single`` on every backend (it works on gloo and costs about as much as gloo's list
+form, measured by the 2-rank probe in docs/design.md section 7).
+
+torch 2.13 renamed ``reduce_scatter_tensor``/``all_gather_into_tensor`` to
+``reduce_scatter_single``/``all_gather_single`` (the old names warn); both are looked up here,
+once, so the rest of the package never names either.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduces_locally(group) -> bool:
+    """True where the reduce-scatter is an all-to-all plus a local sum (gloo), False where the backend reduces (NCCL, ...)."""
+    return str(dist.get_backend(group)).lower() == "gloo"
+
+
+def launch_reduce_scatter(flat: torch.Tensor, out: torch.Tensor, group, local_sum: bool):
+    """Start reducing ``flat`` (N equal chunks, one per rank) so that this rank gets the sum of chunk ``rank``.
+
+    Args:
+        flat: this rank's contributions, ``N * S`` elements, already divided by N (the sum is the mean).
+        out: with ``local_sum``, ``N * S`` elements that receive every rank's chunk for this rank
+            (sum them with `sum_received`); otherwise ``S`` elements that receive the sum.
+        group: the process group.
+        local_sum: `reduces_locally` of the group.
+
+    Returns:
+        The async work.
+    """
+    if local_sum:
+        return dist.all_to_all_single(out, flat, group=group, async_op=True)
+    return _reduce_scatter(out, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def sum_received(received: torch.Tensor, out: torch.Tensor, world_size: int) -> None:
+    """Finish an all-to-all reduce-scatter: ``out`` = the sum of the N received chunks, in ``out``'s dtype.
+
+    The additions run in ``out``'s dtype (the parameters'), so a compressed wire (bf16) rounds
+    each rank's contribution once and the sum not at all.
+    """
+    chunks = received.view(world_size, -1)
+    out.copy_(chunks[0])
+    for chunk in chunks[1:]:
+        out.add_(chunk)
+
+
+def launch_all_gather(out: torch.Tensor, mine: torch.Tensor, group):
+    """Start gathering every rank's ``mine`` (S elements) into ``out`` (N * S, rank order); returns the async work."""
+    return _all_gather(out, mine, group=group, async_op=True)
