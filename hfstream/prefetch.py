@@ -396,7 +396,8 @@ class StreamPrefetcher:
         if depth < 0:
             raise ValueError(f"depth={depth} is negative; pass 0 (no prefetching) or a positive "
                              f"number of batches to keep in flight, e.g. 2")
-        for name, value in (("non_blocking", non_blocking), ("time_copies", time_copies)):
+        for name, value in (("non_blocking", non_blocking), ("time_copies", time_copies),
+                            ("source_issues_collectives", source_issues_collectives)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if pin_memory is not None and not isinstance(pin_memory, bool):
@@ -416,7 +417,7 @@ class StreamPrefetcher:
         self.stream_priority = streams.stream_priority(stream_priority, arg="stream_priority")
         self.pin_memory = pin_memory
         self.time_copies = time_copies
-        self.source_issues_collectives = bool(source_issues_collectives)
+        self.source_issues_collectives = source_issues_collectives
         self._pin = non_blocking if pin_memory is None else pin_memory
         self._stats = PrefetchStats()
         self._timings: collections.deque = collections.deque(maxlen=_MAX_PENDING_TIMINGS)

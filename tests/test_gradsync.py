@@ -475,6 +475,11 @@ def test_bad_arguments_name_the_argument_and_accepted_values(kwargs, argument):
         GradSync(FrozenBiasMLP(), **kwargs)
 
 
+def test_broadcast_buffers_must_be_a_bool():
+    with pytest.raises(TypeError, match="broadcast_buffers must be True or False"):
+        GradSync(FrozenBiasMLP(), broadcast_buffers="yes")
+
+
 def test_world_size_one_does_nothing():
     assert not dist.is_initialized() or dist.get_world_size() == 1   # this test process: one rank
     torch.manual_seed(0)

@@ -497,3 +497,8 @@ class _Regen:
 
     def __iter__(self):
         return self.fn()
+
+
+def test_source_issues_collectives_must_be_a_bool():
+    with pytest.raises(TypeError, match="source_issues_collectives must be True or False"):
+        StreamPrefetcher([1], source_issues_collectives="yes")

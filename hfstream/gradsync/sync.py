@@ -164,13 +164,15 @@ class GradSync:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_arguments(mode, bucket_mb, first_bucket_mb, comm_stream_priority, timeout)
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
         wire = comm_dtype_name(comm_dtype)
         self.model, self.mode = model, mode
         self.timeout_s = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
         self.first_bucket_mb = first_bucket_mb
         self.comm_dtype = COMM_DTYPES[wire] if wire is not None else None
         self.comm_stream_priority = comm_stream_priority
-        self.broadcast_buffers = bool(broadcast_buffers)
+        self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
 
         self._named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
