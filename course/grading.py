@@ -12,6 +12,14 @@ that teaches the fix; any other failure prints the case's own hint.
     def _(learner):
         ...
 
+Hints come in two stages. The first failure of a case names the mistake (`Wrong`'s message, or
+the case's ``hint``); the formula or the code (``Wrong(message, reveal=...)``, or the case's
+``reveal=``) is added only from the third failure in a row of that same case, counted per case
+in the progress file (`REVEAL_AFTER` earlier failures); a pass resets the count. A case declared
+``after="<title of an earlier case>"`` is not run when that case failed in the same check: it
+reports "fix the case above first", so one root cause gets one diagnosis. An untouched stub
+(`NotWritten`) and a case skipped that way are not counted as tries.
+
 Multi-process cases never pickle notebook objects: `Learner.module_file` writes the source of
 the cells that define the exercise's names to a file, and the check's rank function (a
 module-level function in the checks module) imports that file in each gloo process.
@@ -60,11 +68,28 @@ from course.lib import *
 
 
 class Wrong(AssertionError):
-    """A diagnosed mistake; its message is the hint the learner sees."""
+    """A diagnosed mistake.
+
+    Args:
+        message: names the mistake; shown on every failure (the first stage of the hint).
+        reveal: the formula or the code of the fix; shown only once this case has failed
+            `REVEAL_AFTER` times before (the second stage). ``None``: there is no second stage.
+    """
+
+    def __init__(self, message: str, reveal: str | None = None):
+        if reveal is not None and not isinstance(reveal, str):
+            raise TypeError(f"Wrong(reveal=...) takes a string (the formula or code to show), got {type(reveal).__name__}")
+        super().__init__(message)
+        self.reveal = reveal
 
 
 class NotWritten(Exception):
     """The exercise still holds the `NotImplementedError` stub."""
+
+
+# The second stage of a hint is shown once a case has failed this many times before (so from the
+# third failure in a row on).
+REVEAL_AFTER = 2
 
 
 @dataclass
@@ -74,6 +99,9 @@ class CaseResult:
     passed: bool
     message: str = ""          # the hint (on a failure) or a measured detail (on a pass)
     seconds: float = 0.0
+    reveal: str = ""           # the hint's second stage, when this failure shows it (else empty)
+    failures: int = 0          # this case's failures in a row, this one included (0 after a pass)
+    counted: bool = True       # False: a stub, an undefined name or a failed dependency, not a try
 
 
 @dataclass
@@ -82,6 +110,8 @@ class Case:
     hint: str
     fn: Callable[["Learner"], Any]
     timeout: float
+    reveal: str | None = None              # the generic hint's second stage
+    after: tuple[str, ...] = ()            # titles of earlier cases this one depends on
 
 
 @dataclass
@@ -103,11 +133,29 @@ class Exercise:
     def lesson(self) -> str:
         return self.id[:2]
 
-    def case(self, title: str, hint: str, timeout: float = 120.0):
-        """Decorator: add a case. ``timeout`` bounds it in seconds (hangs become failures)."""
+    def case(self, title: str, hint: str, timeout: float = 120.0, reveal: str | None = None,
+             after: str | list[str] | tuple[str, ...] | None = None):
+        """Decorator: add a case.
+
+        Args:
+            title: what the case proves; also the key of its failure count in the progress file.
+            hint: names the mistake when the case fails with an ordinary exception (first stage).
+            timeout: bounds the case in seconds (hangs become failures).
+            reveal: the formula or code behind ``hint``, shown from the third failure in a row.
+            after: the title of an earlier case of this exercise, or a list of them: when one of
+                them fails, this case is not run and says to fix that one first.
+        """
+        if reveal is not None and not isinstance(reveal, str):
+            raise TypeError(f"case(reveal=...) takes a string, got {type(reveal).__name__}")
+        deps = (after,) if isinstance(after, str) else tuple(after or ())
+        earlier = [c.title for c in self.cases]
+        for dep in deps:
+            if dep not in earlier:
+                raise ValueError(f"case({title!r}, after={dep!r}): after= names the title of an earlier case of "
+                                 f"{self.id}; the earlier cases are {earlier}")
 
         def register(fn):
-            self.cases.append(Case(title, hint, fn, timeout))
+            self.cases.append(Case(title, hint, fn, timeout, reveal, deps))
             return fn
 
         return register
@@ -327,13 +375,31 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else ""
 
 
-def run_case(exercise: Exercise, case: Case, learner: Learner) -> CaseResult:
+def run_case(exercise: Exercise, case: Case, learner: Learner, earlier_failures: int = 0,
+             failed_above: str | None = None) -> CaseResult:
+    """Run one case.
+
+    Args:
+        earlier_failures: this case's failures in a row before this run (from the progress file);
+            the hint's second stage shows when it is at least `REVEAL_AFTER`.
+        failed_above: the title of a case this one depends on (``after=``) that failed in this
+            check: the case is not run.
+    """
     start = time.perf_counter()
+    reveal, counted = None, True
+    if failed_above is not None:
+        return CaseResult(exercise.id, case.title, False,
+                          f"fix the case above first ({failed_above!r}): this case depends on it",
+                          0.0, failures=earlier_failures, counted=False)
     try:
-        for name in exercise.uses:
-            obj = getattr(learner, name)
-            if is_stub(obj):
-                raise NotWritten(name)
+        try:
+            for name in exercise.uses:
+                obj = getattr(learner, name)
+                if is_stub(obj):
+                    raise NotWritten(name)
+        except (NotWritten, Wrong):
+            counted = False          # nothing of the learner's ran: not a try of this case
+            raise
         with _time_limit(case.timeout):
             detail = case.fn(learner)
         passed, message = True, "" if detail is None else str(detail)
@@ -342,16 +408,26 @@ def run_case(exercise: Exercise, case: Case, learner: Learner) -> CaseResult:
             f"`{e}` still raises NotImplementedError: write it in the exercise cell. Hint: {case.hint}"
         )
     except Wrong as e:
-        passed, message = False, str(e)
+        passed, message, reveal = False, str(e), e.reveal
     except NotImplementedError:
-        passed, message = False, f"your code raised NotImplementedError. Hint: {case.hint}"
+        passed, message, reveal = False, f"your code raised NotImplementedError. Hint: {case.hint}", case.reveal
     except AssertionError as e:
         why = str(e).strip()
-        passed, message = False, (f"{why}. " if why else "") + f"Hint: {case.hint}"
+        passed, message, reveal = False, (f"{why}. " if why else "") + f"Hint: {case.hint}", case.reveal
     except Exception as e:  # the learner's code crashed: show where, then the hint
         where = _learner_frame(e)
         passed, message = False, f"{type(e).__name__}: {_last_line(e) or e!r}{where}. Hint: {case.hint}"
-    return CaseResult(exercise.id, case.title, passed, message, time.perf_counter() - start)
+        reveal = case.reveal
+    result = CaseResult(exercise.id, case.title, passed, message, time.perf_counter() - start, counted=counted)
+    if passed:
+        result.failures = 0
+    elif counted:
+        result.failures = earlier_failures + 1
+        if reveal and earlier_failures >= REVEAL_AFTER:
+            result.reveal = reveal
+    else:
+        result.failures = earlier_failures
+    return result
 
 
 def _learner_frame(exc: BaseException) -> str:
@@ -389,7 +465,14 @@ def check(exercise_id: str, namespace: dict[str, Any] | None = None, quiet: bool
     if namespace is None:
         namespace = inspect.currentframe().f_back.f_globals
     learner = Learner(namespace, exercise)
-    results = CheckResults(run_case(exercise, case, learner) for case in exercise.cases)
+    earlier = case_failures(exercise.id)
+    results, failed = CheckResults(), []
+    for case in exercise.cases:
+        above = next((t for t in failed if t in case.after), None)
+        r = run_case(exercise, case, learner, earlier.get(case.title, 0), above)
+        if not r.passed:
+            failed.append(case.title)
+        results.append(r)
     if not quiet:
         print(format_results(exercise, results))
     record(results)
@@ -404,6 +487,8 @@ def format_results(exercise: Exercise, results: list[CaseResult]) -> str:
         line = f"  [{mark}] {r.case}"
         if r.message:
             line += f"\n         {r.message}" if not r.passed else f"  ({r.message})"
+        if r.reveal and not r.passed:
+            line += f"\n         more, after {r.failures} tries: {r.reveal}"
         lines.append(line)
     if passed == len(results):
         lines.append("  all cases pass: on to the next cell")
@@ -416,11 +501,24 @@ def progress_path() -> Path:
 
 
 def load_progress() -> dict[str, Any]:
+    """The progress file: ``{exercise id: entry}``; entries that are not objects are left out."""
     path = progress_path()
     try:
-        return json.loads(path.read_text())
+        progress = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(progress, dict):
+        return {}
+    return {k: v for k, v in progress.items() if isinstance(v, dict)}
+
+
+def case_failures(exercise_id: str) -> dict[str, int]:
+    """Failures in a row of each case of an exercise, by case title (a file from before they were
+    counted has none)."""
+    counts = load_progress().get(exercise_id, {}).get("failures", {})
+    if not isinstance(counts, dict):
+        return {}
+    return {str(k): int(v) for k, v in counts.items() if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
 def record(results: list[CaseResult]) -> None:
@@ -433,6 +531,7 @@ def record(results: list[CaseResult]) -> None:
         "cases_passed": sum(r.passed for r in results),
         "cases": len(results),
         "when": now,
+        "failures": {r.case: r.failures for r in results if not r.passed and r.failures > 0},
     }
     sink = os.environ.get("HFSTREAM_COURSE_RESULTS")
     if sink:
@@ -442,8 +541,11 @@ def record(results: list[CaseResult]) -> None:
     try:
         progress = load_progress()
         best = progress.get(exercise_id)
-        if best and best.get("passed") and not entry["passed"]:
-            entry["passed_before"] = best.get("when")
+        if best and not entry["passed"]:
+            # The last time it passed, kept through any number of failing attempts since.
+            when = best.get("when") if best.get("passed") else best.get("passed_before")
+            if when:
+                entry["passed_before"] = when
         progress[exercise_id] = entry
         path = progress_path()
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -121,8 +121,15 @@ def grade_lesson(lesson: str, which: str = "work", cell_timeout: float = 300.0,
             continue
         ok = sum(r["passed"] for r in mine)
         grades.append(ExerciseGrade(ex.id, ok == len(mine), ok, len(mine),
-                                    [f"{r['case']}: {r['message']}" for r in mine if not r["passed"]]))
+                                    [_failure_line(r) for r in mine if not r["passed"]]))
     return LessonGrade(lesson, str(path.relative_to(ROOT)), grades, errors, images, seconds)
+
+
+def _failure_line(r: dict) -> str:
+    line = f"{r['case']}: {r['message']}"
+    if r.get("reveal"):
+        line += f" (more, after {r.get('failures', 0)} tries: {r['reveal']})"
+    return line
 
 
 def format_table(grades: list[LessonGrade], verbose: bool = False) -> str:
@@ -145,8 +152,26 @@ def format_table(grades: list[LessonGrade], verbose: bool = False) -> str:
     return "\n".join(rows)
 
 
+def wanted_lessons(asked: list[str], every: bool = False) -> list[str]:
+    """The lessons ``grade`` runs: ``asked`` (e.g. ``["4", "05"]``) in order, once each, or every
+    lesson when ``every`` is set or nothing is asked. An unknown lesson is an error naming it."""
+    known = lessons()
+    if every and asked:
+        raise SystemExit(f"grade: give lesson numbers ({' '.join(asked)}) or --all, not both")
+    if every or not asked:
+        return known
+    wanted = []
+    for a in asked:
+        lesson = a.strip().zfill(2)
+        if not (len(lesson) == 2 and lesson.isdigit()) or lesson not in known:
+            raise SystemExit(f"grade: no lesson {a!r}; give lesson numbers among {' '.join(known)} (or --all)")
+        if lesson not in wanted:
+            wanted.append(lesson)
+    return wanted
+
+
 def cmd_grade(ns: argparse.Namespace) -> int:
-    wanted = lessons() if ns.all or not ns.lesson else [ns.lesson.zfill(2)[:2]]
+    wanted = wanted_lessons(ns.lesson, ns.all)
     if ns.progress_file:
         os.environ["HFSTREAM_COURSE_PROGRESS"] = ns.progress_file
     grades = []
@@ -162,7 +187,7 @@ def cmd_grade(ns: argparse.Namespace) -> int:
 
 def cmd_progress(ns: argparse.Namespace) -> int:
     progress = load_progress()
-    done = total = 0
+    done = total = failing_now = 0
     print(f"progress file: {progress_path()}")
     for lesson in lessons():
         marks = []
@@ -171,14 +196,23 @@ def cmd_progress(ns: argparse.Namespace) -> int:
             entry = progress.get(ex.id)
             if entry is None:
                 marks.append(f"  {ex.id:<28} not tried")
+            elif entry.get("passed"):
+                done += 1
+                marks.append(f"  {ex.id:<28} {'done':<12} ({entry.get('when', '?')})")
+            elif entry.get("passed_before"):
+                # A pass is remembered: it counts as done, and says that it fails now.
+                done += 1
+                failing_now += 1
+                marks.append(f"  {ex.id:<28} passed before (failing now: {entry.get('cases_passed', 0)}/"
+                             f"{entry.get('cases', '?')} cases at {entry.get('when', '?')}; passed at "
+                             f"{entry['passed_before']})")
             else:
-                done += bool(entry["passed"])
-                state = "done" if entry["passed"] else f"{entry['cases_passed']}/{entry['cases']} cases"
-                marks.append(f"  {ex.id:<28} {state:<12} ({entry['when']})")
+                state = f"{entry.get('cases_passed', 0)}/{entry.get('cases', '?')} cases"
+                marks.append(f"  {ex.id:<28} {state:<12} ({entry.get('when', '?')})")
         name = next(p.stem for p in lesson_sources() if p.stem.startswith(lesson))
         print(f"{name}")
         print("\n".join(marks))
-    print(f"{done}/{total} exercises done")
+    print(f"{done}/{total} exercises done" + (f" ({failing_now} of them passed before and fail now)" if failing_now else ""))
     return 0
 
 
@@ -202,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p_start = sub.add_parser("start", help="copy the student notebooks to course/work/, where you work")
     p_start.add_argument("--force", action="store_true", help="overwrite notebooks already in course/work/")
     p_grade = sub.add_parser("grade", help="execute notebooks headless and print a score table")
-    p_grade.add_argument("lesson", nargs="?", help="a lesson number, e.g. 05 (default: all)")
+    p_grade.add_argument("lesson", nargs="*", help="lesson numbers, e.g. 04 05 06 (default: all)")
     p_grade.add_argument("--all", action="store_true", help="grade every lesson")
     p_grade.add_argument("--which", choices=("work", "student", "solution"), default="work",
                          help="your copy in course/work/ (default; the student notebook if you have none), "
