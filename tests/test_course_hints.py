@@ -107,6 +107,9 @@ def test_an_untouched_stub_never_reveals_and_is_not_counted(capsys):
         r, out = _first("99.hint_stub", stub, capsys)
         assert "still raises NotImplementedError" in r.message and "Hint: return twice the input" in r.message
         assert r.reveal == "" and "more, after" not in out and not r.counted
+    # the case that depends on it names the stub too, not "fix the case above first"
+    second = check("99.hint_stub", namespace=run_cell(stub), quiet=True)[1]
+    assert "still raises NotImplementedError" in second.message and "Hint: the same rule" in second.message
     assert case_failures("99.hint_stub") == {}
     r, _ = _first("99.hint_stub", ADDS, capsys)          # the first real try is a first failure
     assert r.failures == 1 and r.reveal == ""
