@@ -16,8 +16,10 @@ The figure's runs (`measure_overlap`) live here too: spawned ranks need an impor
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -160,10 +162,10 @@ def cached(key: str, learner: Learner, compute):
         try:
             memo[key] = ("ok", compute(learner.module_file()))
         except Wrong as exc:
-            memo[key] = ("wrong", str(exc))
+            memo[key] = ("wrong", exc)
     kind, value = memo[key]
     if kind == "wrong":
-        raise Wrong(value)
+        raise Wrong(str(value), reveal=value.reveal)
     return value
 
 
@@ -194,6 +196,32 @@ def _reference_grads(ref, loss, recorder_real, world_size):
     for t in summed:
         recorder_real(t)          # blocking, and not counted as the learner's
     return local, [t / world_size for t in summed]
+
+
+def gradient_arrivals(model, loss_fn) -> tuple[list[tuple[float, str]], float]:
+    """When each parameter's gradient became final in one backward (after a warm-up one), in ms
+    from the start of ``loss_fn().backward()``, and when backward returned.
+
+    The notebook's first cell shows the result; how it is measured (a post-accumulate-grad hook
+    per parameter) is the exercise that follows, so it lives here.
+    """
+    name_of = {p: n for n, p in model.named_parameters()}
+    arrivals = []
+    handles = [p.register_post_accumulate_grad_hook(lambda p: arrivals.append((time.perf_counter(), name_of[p])))
+               for p in model.parameters() if p.requires_grad]
+    try:
+        loss_fn().backward()             # warm-up
+        model.zero_grad(set_to_none=True)
+        arrivals.clear()
+        loss = loss_fn()
+        t0 = time.perf_counter()
+        loss.backward()
+        t1 = time.perf_counter()
+    finally:
+        for h in handles:
+            h.remove()                   # hooks stay until removed
+        model.zero_grad(set_to_none=True)
+    return [((t - t0) * 1e3, name) for t, name in arrivals], (t1 - t0) * 1e3
 
 
 # =============================================================================================
@@ -236,8 +264,10 @@ def _overlap_rank(rank: int, world_size: int, path: str) -> dict:
             calls = rec.take()
             got = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
             local, mean = _reference_grads(ref, F.mse_loss(ref(x), y), rec.real, world_size)
+            left = getattr(sync, "works", None)
             steps.append({"calls": len(calls), "async": [c["async"] for c in calls],
                           "in_backward": sum(c["in_backward"] for c in calls), "calls_before_return": in_backward,
+                          "left_over": len(left) if isinstance(left, (list, tuple, dict, set)) else 0,
                           "result": _classify(got, mean, local, world_size)})
             for p, m in zip(ref.parameters(), mean):
                 p.grad = m.clone()
@@ -246,9 +276,22 @@ def _overlap_rank(rank: int, world_size: int, path: str) -> dict:
     return {"params": sum(1 for _ in model.parameters()), "steps": steps}
 
 
-HOOK_HINT = ("in __init__, p.register_post_accumulate_grad_hook(self._on_grad_ready) for every parameter; "
-             "in the hook, dist.all_reduce(param.grad, async_op=True) and keep the Work")
-FINISH_HINT = "finish(): wait() on each Work, then divide the summed gradient by the world size; then clear the list"
+# First stage of each hint: what must happen. The code behind it is the case's `reveal`, shown
+# only from the third failure in a row (course.grading.REVEAL_AFTER).
+HOOK_HINT = ("every parameter that requires grad needs a post-accumulate-grad hook; the hook starts the "
+             "asynchronous all-reduce of that parameter's .grad, keeps the Work, and returns without waiting")
+HOOK_REVEAL = ("__init__: self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready)) for each "
+               "p in model.parameters() with p.requires_grad; _on_grad_ready: "
+               "self.works.append((param, dist.all_reduce(param.grad, async_op=True)))")
+FINISH_HINT = ("finish() waits for every Work launched this step, turns each sum into a mean, and leaves no Work "
+               "behind for the next step")
+FINISH_REVEAL = "for param, work in self.works: work.wait(); param.grad.div_(self.world_size)   then: self.works = []"
+
+
+BLOCKING = ("the all-reduce in your hook is blocking: it returns only once the reduction is done (and returns "
+            "None, not a Work), so backward stands still inside every hook and nothing overlaps. Use the "
+            "asynchronous form, keep the Work it returns, and wait for it in finish()")
+ASYNC_REVEAL = "self.works.append((param, dist.all_reduce(param.grad, async_op=True)))"
 
 
 def _overlap_facts(learner: Learner) -> dict:
@@ -256,33 +299,33 @@ def _overlap_facts(learner: Learner) -> dict:
                   lambda path: run_ranks(_overlap_rank, path, hint=HOOK_HINT)[0])
 
 
-@overlap_hook.case("one asynchronous all-reduce per parameter, launched from its hook during backward",
-                   hint=HOOK_HINT, timeout=150)
+OVERLAP_LAUNCH = "one asynchronous all-reduce per parameter, launched from its hook during backward"
+
+
+@overlap_hook.case(OVERLAP_LAUNCH, hint=HOOK_HINT, reveal=HOOK_REVEAL, timeout=150)
 def _(learner):
     src = learner.source("OverlapSync")
     if "register_hook(" in src and "register_post_accumulate_grad_hook" not in src:
-        raise Wrong("Tensor.register_hook fires with the gradient *before* it is accumulated into .grad "
-                    "(and .grad may still be None then): use p.register_post_accumulate_grad_hook(fn), "
-                    "which calls fn(param) once param.grad is final")
+        raise Wrong("Tensor.register_hook fires with this backward's incoming gradient *before* it is "
+                    "accumulated into .grad (.grad may still be None then): the hook you need is the "
+                    "post-accumulate one, called with the parameter once param.grad is final",
+                    reveal="p.register_post_accumulate_grad_hook(self._on_grad_ready)")
     facts = _overlap_facts(learner)
     n = facts["params"]
     for i, st in enumerate(facts["steps"], 1):
         if st["calls"] and not all(st["async"]) and st["in_backward"]:
-            raise Wrong("dist.all_reduce without async_op=True blocks the hook, and backward with it, until the "
-                        "reduction is done: nothing overlaps (and it returns None, not a Work). Pass "
-                        "async_op=True, keep the Work, wait in finish()")
+            raise Wrong(BLOCKING, reveal=ASYNC_REVEAL)
         if "error" in st:
             raise Wrong(f"step {i}: your code raised {st['error']}. Hint: {HOOK_HINT}")
         if st["calls"] == 0:
-            raise Wrong(f"step {i}: no all-reduce was launched at all: the hook must call "
-                        f"dist.all_reduce(param.grad, async_op=True)")
+            raise Wrong(f"step {i}: no all-reduce was launched at all: the hook must start the reduction of "
+                        f"param.grad", reveal=HOOK_REVEAL)
         if st["in_backward"] == 0:
             raise Wrong("you reduced after backward: every all-reduce was launched once loss.backward() had "
                         "returned, so none can overlap it. Register a hook per parameter "
                         "(register_post_accumulate_grad_hook) and launch the reduction from it")
         if not all(st["async"]):
-            raise Wrong("dist.all_reduce without async_op=True blocks the hook, and backward with it, until the "
-                        "reduction is done: nothing overlaps. Pass async_op=True, keep the Work, wait in finish()")
+            raise Wrong(BLOCKING, reveal=ASYNC_REVEAL)
         if st["calls"] > n and i == 1:
             raise Wrong(f"{st['calls']} all-reduces for {n} parameters: each gradient was reduced more than "
                         f"once (in the hook and again in finish()?). finish() only waits and divides")
@@ -299,22 +342,28 @@ def _(learner):
 
 
 @overlap_hook.case("after finish() every .grad is the mean over 2 gloo ranks, two steps in a row",
-                   hint=FINISH_HINT, timeout=150)
+                   hint=FINISH_HINT, reveal=FINISH_REVEAL, after=OVERLAP_LAUNCH, timeout=150)
 def _(learner):
     facts = _overlap_facts(learner)
     for i, st in enumerate(facts["steps"], 1):
         if "error" in st:
             raise Wrong(f"step {i}: your code raised {st['error']}, so there are no gradients to compare. "
                         f"Hint: {FINISH_HINT}")
+        if st.get("left_over"):
+            raise Wrong(f"step {i}: finish() returned with {st['left_over']} Works still in self.works, so the next "
+                        f"finish() waits on them again and divides those gradients a second time (while the new "
+                        f"reductions may still be writing them): clear the list at the end of finish()",
+                        reveal=FINISH_REVEAL)
         r = st["result"]
         if r == "mean":
             continue
         if r == "sum":
             raise Wrong("the gradients are the sum over ranks, not the mean: all_reduce adds; divide by the "
-                        "world size in finish(), after work.wait()")
+                        "world size in finish(), after the Work is done", reveal=FINISH_REVEAL)
         if r == "local":
             raise Wrong("the gradients are still this rank's own: all_reduce works in place on the tensor you "
-                        "pass. Reduce param.grad itself (not a copy), or copy the result back in finish()")
+                        "pass. Reduce param.grad itself (not a copy), or copy the result back in finish()",
+                        reveal=ASYNC_REVEAL)
         if r == "twice" and i == 2:
             raise Wrong("step 2's gradients were divided twice: clear the list of (param, Work) at the end of "
                         "finish(), or the next finish() divides the old entries again")
@@ -385,8 +434,13 @@ def _fake_sequences(cls) -> dict:
     return out
 
 
-ORDER_HINT = ("_on_grad_ready: mark parameter i ready, then launch (self._launch) every ready parameter at the head "
-              "of self.order; finish(): launch the rest in order, wait each, divide, and reset next/ready")
+ORDER_HINT = ("a hook marks its parameter ready, then launches parameters from the head of self.order for as long "
+              "as the head is ready; finish() launches the rest in order, waits for each and divides, then resets "
+              "the per-step state")
+ORDER_REVEAL = ("_on_grad_ready: self.ready[i] = True; while self.next < len(self.order) and self.ready[self.next]: "
+                "self._launch(self.next); self.next += 1.   finish(): the same loop without the ready test, then "
+                "for p, work in self.works: work.wait(); p.grad.div_(self.world_size); then self.works, self.next = "
+                "[], 0 and self.ready = [False] * len(self.order)")
 
 
 def _ordered_fake(learner):
@@ -414,7 +468,8 @@ def _diagnose_order(seqs: dict) -> str | None:
                 return (f"step {step + 1}, rank {rank}: {dup[0]} was reduced {seq.count(dup[0])} times: launch each "
                         f"parameter exactly once per step (advance self.next past what you launch)")
             if step == 1 and not seq:
-                return ("step 2 launched nothing: finish() must reset self.next and self.ready for the next step")
+                return ("step 2 launched nothing: finish() must leave the per-step state (self.next, self.ready) "
+                        "as __init__ set it, for the next step")
             missing = [n for n in every if n not in seq]
             if missing:
                 who = "no rank uses it" if missing[0] == "spare" else f"rank {rank} did not use it this step"
@@ -432,13 +487,15 @@ def _diagnose_order(seqs: dict) -> str | None:
     return None
 
 
-@ordered.case("every rank launches the same reductions in the same order, unused parameters included",
-              hint=ORDER_HINT, timeout=60)
+ORDER_CASE = "every rank launches the same reductions in the same order, unused parameters included"
+
+
+@ordered.case(ORDER_CASE, hint=ORDER_HINT, reveal=ORDER_REVEAL, timeout=60)
 def _(learner):
     seqs = _ordered_fake(learner)
     problem = _diagnose_order(seqs)
     if problem:
-        raise Wrong(problem)
+        raise Wrong(problem, reveal=ORDER_REVEAL)
     during = sum(b for _, b in seqs[0][0])
     if during == 0:
         raise Wrong("everything was launched from finish(), after backward: nothing overlaps. In the hook, launch "
@@ -478,15 +535,9 @@ def _ordered_rank(rank: int, world_size: int, path: str) -> dict:
 
 
 @ordered.case("2 gloo ranks, `expert` unused on rank 1: no hang, and .grad is the mean (zeros for the rank "
-              "that skipped it)", hint=ORDER_HINT, timeout=150)
+              "that skipped it)", hint=ORDER_HINT, reveal=ORDER_REVEAL, after=ORDER_CASE, timeout=150)
 def _(learner):
-    try:
-        problem = _diagnose_order(_ordered_fake(learner))
-    except Exception:
-        problem = None   # the first case reports the crash; the real run will show it too
-    if problem:
-        raise Wrong("not run on real ranks: with the launch pattern the previous case found, they would hang. "
-                    "Fix that first")
+    # after=ORDER_CASE: a launch pattern that would hang real ranks is reported above, never run here.
     facts = cached("05.finish", learner,
                    lambda path: run_ranks(_ordered_rank, path, hint=ORDER_HINT, timeout=90, pg_timeout_s=20)[0])
     for i, r in enumerate(facts["results"], 1):
@@ -543,58 +594,88 @@ def _timed_step(model, x, y, opt, rec, sync, serial: bool, world_size: int) -> t
     return parts, spans
 
 
+def _run_modes(models, x, y, opts, rec, sync, steps, world_size, rank) -> tuple[dict, list]:
+    """``steps`` measured pairs of steps (serial, overlap), after one warm-up pair, taking turns so
+    that a busy moment of the machine hits both; returns their parts and the last pair's spans."""
+    records, spans = {"serial": [], "overlap": []}, []
+    for i in range(steps + 1):
+        for mode in ("serial", "overlap"):
+            dist.barrier()
+            parts, sp = _timed_step(models[mode], x, y, opts[mode], rec, sync, mode == "serial", world_size)
+            if i == 0:
+                continue                     # warm-up
+            records[mode].append(parts)
+            if i == steps:                   # the last pair of steps goes on the timeline
+                spans += [(rank, lane, name, a, b) for lane, name, a, b in sp]
+    return records, spans
+
+
 def _demo_rank(rank: int, world_size: int, path: str | None, steps: int, link_ratio: float) -> dict:
     from course.lib import TinyMLP, random_regression
     from hfstream.gradsync import GradSync
     from hfstream.tools.bench.link import SimulatedLink, ring_allreduce_bytes
 
-    serial_model = TinyMLP(dim=FIG_DIM, hidden=FIG_DIM, layers=FIG_LAYERS, seed=0)
-    overlap_model = TinyMLP(dim=FIG_DIM, hidden=FIG_DIM, layers=FIG_LAYERS, seed=0)
+    models = {mode: TinyMLP(dim=FIG_DIM, hidden=FIG_DIM, layers=FIG_LAYERS, seed=0) for mode in ("serial", "overlap")}
     x, y = random_regression(n=FIG_BATCH, dim=FIG_DIM, seed=1 + rank)
     # Size the link from this machine's backward: all gradients take link_ratio x backward on it.
     bwd = []
     for _ in range(8):
-        loss = F.mse_loss(serial_model(x), y)
+        loss = F.mse_loss(models["serial"](x), y)
         t = time.perf_counter()
         loss.backward()
         bwd.append(time.perf_counter() - t)
-        serial_model.zero_grad(set_to_none=True)
+        models["serial"].zero_grad(set_to_none=True)
     agreed = torch.tensor([min(bwd[2:])])       # after 2 warm-ups, the least disturbed backward
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    grad_bytes = sum(p.numel() * p.element_size() for p in serial_model.parameters())
+    grad_bytes = sum(p.numel() * p.element_size() for p in models["serial"].parameters())
     rate_mbit = ring_allreduce_bytes(grad_bytes, world_size) * 8 / (link_ratio * agreed.item()) / 1e6
     link = SimulatedLink(rate_mbit=rate_mbit, latency_ms=0.2)
+    # The reductions launched last (when backward ends) are those of the first layer: on the
+    # simulated link they need at least this long after backward, whatever overlaps before.
+    tail_floor_ms = sum(link.transfer_s(p.numel() * p.element_size(), world_size)
+                        for p in models["overlap"].layers[0].parameters()) * 1e3
     rec = Recorder()
-    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in (("serial", serial_model), ("overlap", overlap_model))}
-    records = {"serial": [], "overlap": []}
-    spans = []
-    with link.installed(), rec.installed():
+    opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
+    with rec.installed():
         if path is None:
-            sync = GradSync(overlap_model, bucket_mb=0)   # the library: one bucket per parameter
+            sync = GradSync(models["overlap"], bucket_mb=0)   # the library: one bucket per parameter
         else:
-            sync = load_module(path).OverlapSync(overlap_model)
+            sync = load_module(path).OverlapSync(models["overlap"])
         rec.take()
-        for i in range(steps + 1):           # interleaved, so a slow moment of the machine hits both
-            for mode, model in (("serial", serial_model), ("overlap", overlap_model)):
-                dist.barrier()
-                parts, sp = _timed_step(model, x, y, opts[mode], rec, sync, mode == "serial", world_size)
-                if i == 0:
-                    continue                 # warm-up
-                records[mode].append(parts)
-                if i == steps:               # the last pair of steps goes on the timeline
-                    spans += [(rank, lane, name, a, b) for lane, name, a, b in sp]
-        if hasattr(sync, "close"):
-            sync.close()
-    return {"records": records, "spans": spans, "rate_mbit": rate_mbit, "grad_mib": grad_bytes / 2**20,
-            "params": sum(1 for _ in overlap_model.parameters())}
+        # 1. The real thing: gloo over this machine's loopback, nothing simulated.
+        loopback, _ = _run_modes(models, x, y, opts, rec, sync, steps, world_size, rank)
+    # 2. The same two steps over the simulated link (installed under the recorder, so the
+    #    recorder sees each reduction complete when the link says it does).
+    with link.installed(), rec.installed():
+        simulated, spans = _run_modes(models, x, y, opts, rec, sync, steps, world_size, rank)
+    if hasattr(sync, "close"):
+        sync.close()
+    return {"records": {"loopback": loopback, "simulated": simulated}, "spans": spans, "rate_mbit": rate_mbit,
+            "latency_ms": link.latency_ms, "tail_floor_ms": tail_floor_ms, "grad_mib": grad_bytes / 2**20,
+            "probe_backward_ms": agreed.item() * 1e3, "params": sum(1 for _ in models["overlap"].parameters())}
+
+
+def _summarise(out: list[dict], phase: str, steps: int) -> dict:
+    """Median over steps of each part (mean over ranks; a step lasts as long as its slowest rank)."""
+    summary = {}
+    for mode in ("serial", "overlap"):
+        per_step = [{k: statistics.fmean(r["records"][phase][mode][s][k] for r in out)
+                     for k in out[0]["records"][phase][mode][s]}
+                    | {"step_ms": max(r["records"][phase][mode][s]["step_ms"] for r in out)}
+                    for s in range(steps)]
+        summary[mode] = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
+    s = summary["serial"]
+    summary["ceiling_ms"] = s["forward_ms"] + max(s["backward_ms"], s["comm_busy_ms"]) + s["optimizer_ms"]
+    return summary
 
 
 def measure_overlap(namespace: dict, steps: int = 6, link_ratio: float = 0.8) -> dict:
-    """Run serial and per-parameter overlap side by side on 2 gloo ranks over a simulated link.
+    """Serial and per-parameter overlap side by side on 2 gloo ranks: first over the real loopback,
+    then over a simulated link whose bandwidth is sized from this machine's backward.
 
     Uses the notebook's `OverlapSync` once it is written, else hfstream's ``GradSync(bucket_mb=0)``.
-    Returns the per-step parts of each mode (rank 0 and 1), the median step of each, the
-    ceiling (from the serial steps) and the spans of the last pair of steps for the timeline.
+    Returns, per phase (``"loopback"``, ``"simulated"``), the median parts of each mode and the
+    ceiling (from the serial steps); the link; and the spans of the last simulated pair of steps.
     """
     from hfstream.testing import run_on_ranks
 
@@ -604,13 +685,206 @@ def measure_overlap(namespace: dict, steps: int = 6, link_ratio: float = 0.8) ->
         path = Learner(namespace, get_exercise("05.overlap_hook")).module_file()
     who = "your OverlapSync" if path else "hfstream's GradSync(bucket_mb=0) (OverlapSync is not written yet)"
     out = run_on_ranks(_demo_rank, 2, path, steps, link_ratio, timeout=120, pg_timeout_s=60)
-    summary = {}
-    for mode in ("serial", "overlap"):
-        per_step = [{k: statistics.fmean(r["records"][mode][s][k] for r in out) for k in out[0]["records"][mode][s]}
-                    | {"step_ms": max(r["records"][mode][s]["step_ms"] for r in out)}
-                    for s in range(steps)]
-        summary[mode] = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
-    s = summary["serial"]
-    ceiling = s["forward_ms"] + max(s["backward_ms"], s["comm_busy_ms"]) + s["optimizer_ms"]
-    return {"who": who, "summary": summary, "ceiling_ms": ceiling, "spans": out[0]["spans"] + out[1]["spans"],
-            "rate_mbit": out[0]["rate_mbit"], "grad_mib": out[0]["grad_mib"], "params": out[0]["params"]}
+    return {"who": who, "loopback": _summarise(out, "loopback", steps), "simulated": _summarise(out, "simulated", steps),
+            "spans": out[0]["spans"] + out[1]["spans"], "rate_mbit": out[0]["rate_mbit"],
+            "latency_ms": out[0]["latency_ms"], "tail_floor_ms": out[0]["tail_floor_ms"],
+            "probe_backward_ms": out[0]["probe_backward_ms"], "link_ratio": link_ratio,
+            "grad_mib": out[0]["grad_mib"], "params": out[0]["params"]}
+
+
+# =============================================================================================
+# A torch.profiler trace of one step whose hooks launch the all-reduces (the GPU cells of 05, 06)
+# =============================================================================================
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+COMM_MARK = ("nccl", "gloo:", "allreduce", "all_reduce")
+
+
+@contextlib.contextmanager
+def one_rank_group(device: torch.device):
+    """A process group of one rank in this process (NCCL on CUDA, gloo elsewhere), unless one exists.
+
+    One rank reduces with itself, but the collective still goes through the backend: on CUDA
+    NCCL runs it on its own stream, which is what the trace shows.
+    """
+    import tempfile
+
+    if dist.is_initialized():
+        yield dist.get_backend()
+        return
+    backend = "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
+    store_file = tempfile.NamedTemporaryFile(prefix="hfstream-course-store-", delete=False).name
+    os.remove(store_file)   # FileStore creates it
+    dist.init_process_group(backend, store=dist.FileStore(store_file, 1), rank=0, world_size=1)
+    try:
+        yield backend
+    finally:
+        dist.destroy_process_group()
+        with contextlib.suppress(OSError):
+            os.remove(store_file)
+
+
+def _hook_launcher(model, buckets):
+    """Hooks that launch one asynchronous all-reduce per bucket (a list of lists of parameters), in
+    order, as soon as the head buckets are complete; returns (handles, works, finish)."""
+    pending = [len(b) for b in buckets]
+    bucket_of = {p: i for i, b in enumerate(buckets) for p in b}
+    state = {"next": 0}
+    works: list = []
+
+    def launch(i):
+        members = buckets[i]
+        if len(members) == 1:
+            works.append((None, members, dist.all_reduce(members[0].grad, async_op=True)))
+        else:
+            flat = torch.cat([p.grad.reshape(-1) for p in members])
+            works.append((flat, members, dist.all_reduce(flat, async_op=True)))
+
+    def on_ready(param):
+        pending[bucket_of[param]] -= 1
+        while state["next"] < len(buckets) and pending[state["next"]] == 0:
+            launch(state["next"])
+            state["next"] += 1
+
+    def finish():
+        for flat, members, work in works:
+            work.wait()
+            if flat is not None:
+                offset = 0
+                for p in members:
+                    p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        works.clear()
+        state["next"] = 0
+        pending[:] = [len(b) for b in buckets]
+
+    handles = [p.register_post_accumulate_grad_hook(on_ready) for b in buckets for p in b]
+    return handles, finish
+
+
+def trace_overlap_step(device: torch.device, path, bucket_mb: float = 0.0, dim: int = 1024, hidden: int = 4096,
+                       layers: int = 8, batch: int = 8192) -> dict:
+    """Profile one training step (after a warm-up) whose hooks launch asynchronous all-reduces.
+
+    On a one-rank process group (`one_rank_group`). ``bucket_mb=0``: one all-reduce per parameter
+    (lesson 05); larger: DDP's buckets, each packed into one flat tensor (lesson 06). Writes the
+    Chrome trace to ``path`` (open it in https://ui.perfetto.dev) and returns what
+    `read_trace` finds in it.
+    """
+    from torch.profiler import profile, record_function
+
+    from course.lib import TinyMLP
+    from hfstream.gradsync.buckets import plan_buckets
+
+    model = TinyMLP(dim=dim, hidden=hidden, layers=layers).to(device)
+    x = torch.randn(batch, dim, device=device)
+    by_name = dict(model.named_parameters())
+    buckets = [[by_name[n] for n in b.names] for b in plan_buckets(list(model.named_parameters()), bucket_mb)]
+
+    def sync_device():
+        if device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    with one_rank_group(device) as backend:
+        handles, finish = _hook_launcher(model, buckets)
+        try:
+            for profiled in (False, True):           # the first step warms up (communicator, allocator)
+                ctx = profile(activities=list(torch.profiler.supported_activities())) if profiled \
+                    else contextlib.nullcontext()
+                with ctx as prof:
+                    loss = model(x).square().mean()
+                    with record_function("course: backward"):
+                        loss.backward()
+                    with record_function("course: finish"):
+                        finish()
+                    sync_device()
+                model.zero_grad(set_to_none=True)
+        finally:
+            for h in handles:
+                h.remove()
+    prof.export_chrome_trace(str(path))
+    found = read_trace(path)
+    found.update(backend=backend, device=str(device), buckets=len(buckets), path=str(path))
+    return found
+
+
+def read_trace(path) -> dict:
+    """The spans of a Chrome trace that say where communication sits relative to backward.
+
+    Times are ms from the start of the host's ``course: backward`` annotation. Returns
+    ``host_backward`` (start, end), ``host_launches`` (each ``c10d::allreduce_`` on the host),
+    ``comm`` (each collective where it ran: the backend's annotation on its own thread, and on a
+    GPU the kernels on the communication stream), ``device_backward`` (start, end of the kernels
+    launched during backward, on the compute stream; None on CPU) and ``lanes``: per thread or
+    stream, its (name, start, end) spans, for `trace_figure`.
+    """
+    import json
+
+    events = [e for e in json.loads(Path(path).read_text()).get("traceEvents", [])
+              if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    marks = [e for e in events if e.get("name") == "course: backward" and e.get("cat") in ("user_annotation", "cpu_op")]
+    if not marks:
+        raise ValueError(f"{path}: no 'course: backward' annotation in the trace")
+    origin = marks[0]["ts"]
+
+    def span(e):
+        return ((e["ts"] - origin) / 1e3, (e["ts"] + e["dur"] - origin) / 1e3)
+
+    host_backward = span(marks[0])
+    host_tid = marks[0].get("tid")
+    launches = [span(e) for e in events if e.get("name") == "c10d::allreduce_"]
+    is_comm = lambda e: any(m in e.get("name", "").lower() for m in COMM_MARK)   # noqa: E731
+    backend_spans = [(e.get("tid"), span(e)) for e in events
+                     if e.get("cat") == "user_annotation" and is_comm(e) and e.get("tid") != host_tid]
+    device = [e for e in events if e.get("cat") in DEVICE_CATS]
+    # A device event belongs to backward when the host launched it during backward: the runtime
+    # call that launched it carries the same correlation id.
+    launched_at = {e.get("args", {}).get("correlation"): e["ts"] for e in events
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver", "runtime", "driver")}
+    comm_device = [e for e in device if is_comm(e)]
+    comm_streams = {e.get("args", {}).get("stream") for e in comm_device}
+    compute = [e for e in device if e.get("args", {}).get("stream") not in comm_streams]
+    in_bwd = [e for e in compute
+              if marks[0]["ts"] <= launched_at.get(e.get("args", {}).get("correlation"), -1) <= marks[0]["ts"] + marks[0]["dur"]]
+    in_bwd_ids = {id(e) for e in in_bwd}
+    device_backward = None
+    if in_bwd:
+        device_backward = (min(span(e)[0] for e in in_bwd), max(span(e)[1] for e in in_bwd))
+    lanes: dict[str, list] = {"host: backward": [("backward", *host_backward)],
+                              "host: all-reduce launches": [("launch", *s) for s in launches]}
+    for tid, s in backend_spans:
+        lanes.setdefault(f"backend thread {tid}", []).append(("all-reduce", *s))
+    for e in compute:
+        lanes.setdefault(f"device stream {e.get('args', {}).get('stream')} (compute)", []).append(
+            ("backward" if id(e) in in_bwd_ids else "other", *span(e)))
+    for e in comm_device:
+        lanes.setdefault(f"device stream {e.get('args', {}).get('stream')} (comm)", []).append(("all-reduce", *span(e)))
+    comm = [s for _, s in backend_spans] + [span(e) for e in comm_device]
+    bwd_end = device_backward[1] if device_backward else host_backward[1]
+    return {"host_backward": host_backward, "host_launches": launches, "device_backward": device_backward,
+            "comm": comm, "comm_device": [span(e) for e in comm_device],
+            "comm_before_backward_end": sum(1 for a, _ in ([span(e) for e in comm_device] or [s for _, s in backend_spans])
+                                            if a < bwd_end),
+            "lanes": lanes}
+
+
+def trace_figure(found: dict, path, title: str) -> Path:
+    """One lane per host thread / device stream of a `read_trace` result; backward in blue."""
+    from matplotlib.figure import Figure
+
+    colors = {"backward": "#4c72b0", "launch": "#8172b3", "all-reduce": "#dd8452", "other": "#bbbbbb"}
+    lanes = found["lanes"]
+    fig = Figure(figsize=(9, 0.9 + 0.45 * len(lanes)))
+    ax = fig.subplots()
+    seen = set()
+    for y, (lane, spans) in enumerate(reversed(list(lanes.items()))):
+        for name, a, b in spans:
+            ax.barh(y, max(b - a, 0.01), left=a, height=0.6, color=colors.get(name, "#999999"),
+                    label=name if name not in seen else None)
+            seen.add(name)
+    ax.set_yticks(range(len(lanes)), list(reversed(list(lanes))), fontsize=7)
+    ax.set_xlabel("ms from the start of loss.backward() on the host")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return Path(path)
