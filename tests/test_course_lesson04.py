@@ -3,6 +3,7 @@ the hint that names them, and the right answer passes. Each check spawns two ran
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -108,17 +109,12 @@ def test_train_parity_right_answer_passes():
     assert all(r.passed for r in results), messages
 
 
-def test_train_without_broadcast_is_told_to_broadcast():
-    wrong = RIGHT_TRAIN.replace("    broadcast_parameters(model)\n", "")
-    _, messages = _messages("04.train_parity", _ns(RIGHT_AVERAGE, wrong))
-    assert "Call broadcast_parameters(model) before the first step" in messages
-
-
 def test_train_on_the_whole_batch_on_every_rank_is_told_to_shard():
     wrong = RIGHT_TRAIN.replace("x.chunk(world_size)[rank], y.chunk(world_size)[rank]", "x, y")
     results, messages = _messages("04.train_parity", _ns(RIGHT_AVERAGE, wrong))
     assert "both ranks report the full batch's loss" in messages
-    assert results[0].passed and results[2].passed   # same parameters: only the sharding is wrong
+    assert results[0].passed                          # same parameters: only the sharding is wrong
+    assert results[2].message.startswith("fix the case above first ('each rank trains on its own shard")
 
 
 def test_train_with_summed_gradients_is_told_it_doubled_the_learning_rate():
@@ -149,3 +145,42 @@ def test_the_ranks_file_keeps_definitions_and_drops_calls():
     assert "def f" in kept and "SCALE = 2.0" in kept and "END = object()" in kept and "zeros = torch" in kept
     assert "@staticmethod" in kept
     assert "print(" not in kept and "out = f(4)" not in kept and "for i" not in kept
+
+
+# --------------------------------------------------------------------------- one root cause, one diagnosis
+FIX_ABOVE = "fix the case above first"
+
+
+def test_train_without_broadcast_gets_one_diagnosis_and_the_code_only_on_the_third_try(tmp_path):
+    wrong = RIGHT_TRAIN.replace("    broadcast_parameters(model)\n", "")
+    ns = _ns(RIGHT_AVERAGE, wrong)
+    for attempt in (1, 3):
+        if attempt == 3:   # as if the second try had failed too (each try spawns two ranks)
+            progress = json.loads((tmp_path / "progress.json").read_text())
+            progress["04.train_parity"]["failures"]["every rank ends with the same parameters"] = 2
+            (tmp_path / "progress.json").write_text(json.dumps(progress))
+        results, messages = _messages("04.train_parity", ns)
+        assert "they started from different weights" in results[0].message
+        assert "shards must split the batch" not in messages
+        for r in results[1:]:
+            assert not r.passed and r.message.startswith(FIX_ABOVE), r.message
+            assert "every rank ends with the same parameters" in r.message
+        # the first stage names the mistake; the call comes from the third failure on
+        assert "broadcast_parameters(model)" not in messages
+        assert results[0].reveal == ("" if attempt < 3 else "broadcast_parameters(model) before the first step")
+
+
+def test_averaging_the_parameters_is_not_told_to_broadcast():
+    # average_gradients reduces p.data, not p.grad: the ranks start equal and drift apart.
+    wrong = RIGHT_AVERAGE.replace("if p.grad is not None:\n            dist.all_reduce(p.grad)\n"
+                                  "            p.grad /= dist.get_world_size()",
+                                  "dist.all_reduce(p.data)\n        p.data /= dist.get_world_size()")
+    assert "p.data /=" in wrong
+    results, messages = _messages("04.train_parity", _ns(wrong, RIGHT_TRAIN))
+    assert "broadcast_parameters" not in messages
+    assert "started from the same weights" in results[0].message and "p.grad" in results[0].message
+    assert all(r.message.startswith(FIX_ABOVE) for r in results[1:])
+    # and in 04.average_gradients the same mistake is named once, by the averaging case
+    results, messages = _messages("04.average_gradients", _ns(wrong))
+    assert results[0].passed and "you reduced the parameters" in results[1].message
+    assert "changed the parameters themselves" not in messages and results[2].passed

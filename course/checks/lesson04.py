@@ -182,8 +182,14 @@ average_ex = Exercise("04.average_gradients", uses=["broadcast_parameters", "ave
                       title="broadcast the start, average the gradients")
 
 
+BROADCAST_CODE = "for p in model.parameters(): dist.broadcast(p.data, src=0)   # on every rank"
+AVERAGE_CODE = ("for p in model.parameters(): if p.grad is not None: dist.all_reduce(p.grad); "
+                "p.grad /= dist.get_world_size()")
+
+
 @average_ex.case("broadcast_parameters: every rank starts from rank 0's weights",
-                 hint="for p in model.parameters(): dist.broadcast(p.data, src=0), on every rank", timeout=150)
+                 hint="every rank must receive rank 0's values into each of its own parameter tensors",
+                 reveal=BROADCAST_CODE, timeout=150)
 def _(learner):
     runs = _spawn(learner, _rank_average)
     want = list(TinyMLP(seed=10).parameters())
@@ -191,17 +197,19 @@ def _(learner):
         got, err = out["broadcast"]
         if err and _hung(err):
             raise Wrong(f"broadcast_parameters hung until the group's timeout on rank {rank}: every rank must "
-                        "call dist.broadcast(p.data, src=0) with the same src, for the same parameters in the same "
-                        "order (with src=dist.get_rank() each rank waits to send and none receives)")
+                        "make the same broadcasts, for the same parameters in the same order, all naming the same "
+                        "source rank (when each rank names itself, each waits to send and none receives)",
+                        reveal=BROADCAST_CODE)
         if err:
             raise Wrong(f"broadcast_parameters raised on rank {rank}: {err}")
         if _diff(got, want) < 1e-7:
             continue
         own = list(TinyMLP(seed=10 + rank).parameters())
         if _diff(got, own) < 1e-7:
-            raise Wrong(f"rank {rank} kept its own initial weights: every rank must call "
-                        "dist.broadcast(p.data, src=0) for every parameter, with the same src=0 (each rank "
-                        "passing its own rank as src sends, and nobody receives)")
+            raise Wrong(f"rank {rank} kept its own initial weights: the broadcast wrote somewhere else (into a copy, "
+                        "such as p.detach().clone(), that is then thrown away), or each rank named itself as the "
+                        "source. A collective writes in place into the tensor you pass it: pass the parameter's own "
+                        "storage, with rank 0 as the source on every rank", reveal=BROADCAST_CODE)
         mean = [(a + b) / 2 for a, b in zip(TinyMLP(seed=10).parameters(), TinyMLP(seed=11).parameters())]
         if _diff(got, mean) < 1e-6:
             raise Wrong("you averaged the initial weights: the ranks agree, but on a model nobody initialised, "
@@ -211,9 +219,9 @@ def _(learner):
     return "both ranks hold rank 0's weights"
 
 
-@average_ex.case("average_gradients: every .grad becomes the mean over ranks",
-                 hint="for each parameter: dist.all_reduce(p.grad) (a SUM), then p.grad /= dist.get_world_size()",
-                 timeout=150)
+@average_ex.case("average_gradients: every .grad becomes the mean over ranks, the parameters untouched",
+                 hint="every rank's .grad must end as the mean over ranks (all_reduce gives the sum), and only "
+                      ".grad may change", reveal=AVERAGE_CODE, timeout=150)
 def _(learner):
     runs = _spawn(learner, _rank_average)
     _broken_by_broadcast(runs)
@@ -227,32 +235,33 @@ def _(learner):
         grads, params_moved = value
         if any(g is None for g in grads):
             raise Wrong("after average_gradients some .grad is None: reduce each gradient in place and keep it")
-        if _diff(grads, mean) < 1e-6:
-            continue
-        if _diff(grads, total) < 1e-5:
-            raise Wrong("the gradients are the SUM over ranks: all_reduce sums by default, so divide by "
-                        "dist.get_world_size() (without it every step is world_size times too large, as if the "
-                        "learning rate were multiplied by the number of ranks)")
         if _diff(grads, per_rank[rank]) < 1e-7:
             if params_moved > 0:
                 raise Wrong("the gradients are unchanged but the parameters moved: you reduced the parameters, "
-                            "not their gradients. All-reduce p.grad")
+                            "not their gradients (each rank keeps its own gradient, so the ranks drift apart)",
+                            reveal=AVERAGE_CODE)
             raise Wrong("the .grad tensors came back unchanged: all_reduce works in place on the tensor you pass "
-                        "it, so pass p.grad itself (a copy would be reduced and then thrown away)")
+                        "it, so a copy would be reduced and then thrown away", reveal=AVERAGE_CODE)
+        if params_moved > 0:
+            raise Wrong(f"average_gradients changed the parameters themselves on rank {rank} (by {params_moved:.3g}): "
+                        "it must only average .grad; the optimizer moves the parameters")
+        if _diff(grads, mean) < 1e-6:
+            continue
+        if _diff(grads, total) < 1e-5:
+            raise Wrong("the gradients are the SUM over ranks, not the mean: all_reduce sums by default (without "
+                        "the mean every step is world_size times too large, as if the learning rate were "
+                        "multiplied by the number of ranks)",
+                        reveal="after dist.all_reduce(p.grad): p.grad /= dist.get_world_size()")
         raise AssertionError(f"rank {rank}'s gradients differ from the mean over ranks by {_diff(grads, mean):.3g}")
-    return "the mean over 2 ranks, on both"
+    return "the mean over 2 ranks, on both; parameters unchanged"
 
 
-@average_ex.case("parameters untouched; a frozen parameter (no .grad) is skipped",
-                 hint="only touch p.grad, and skip parameters whose .grad is None", timeout=150)
+@average_ex.case("a frozen parameter (no .grad) is skipped",
+                 hint="a parameter whose .grad is None has nothing to average: leave it alone", timeout=150)
 def _(learner):
     runs = _spawn(learner, _rank_average)
     _broken_by_broadcast(runs)
     for rank, out in enumerate(runs):
-        value, err = out["average"]
-        if err is None and value[1] > 0:
-            raise Wrong(f"average_gradients changed the parameters themselves on rank {rank} (by {value[1]:.3g}): "
-                        "it must only average .grad; the optimizer moves the parameters")
         grads, err = out["frozen"]
         if err and "NoneType" in err:
             raise Wrong(f"with a frozen parameter (requires_grad=False, so .grad is None) average_gradients raised "
@@ -308,9 +317,25 @@ def _train_runs(learner):
     return runs
 
 
-@parity_ex.case("every rank ends with the same parameters",
-                hint="broadcast rank 0's parameters before the first step, and average the gradients between "
-                     "backward() and the optimizer step", timeout=150)
+def _first_loss(seed: int, rows) -> float:
+    x, y = _data()
+    with torch.no_grad():
+        return float(F.mse_loss(TinyMLP(seed=seed)(x[rows]), y[rows]))
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+SAME_PARAMS = "every rank ends with the same parameters"
+LOOP_CODE = ("broadcast_parameters(model) once; then every step: model.zero_grad(); "
+             "loss = F.mse_loss(model(x_shard), y_shard); loss.backward(); average_gradients(model); "
+             "sgd_step(model, lr); losses.append(loss.item())")
+
+
+@parity_ex.case(SAME_PARAMS,
+                hint="the ranks must start from the same weights and take the same step every step",
+                reveal=LOOP_CODE, timeout=150)
 def _(learner):
     runs = _train_runs(learner)
     gap = _diff(runs[0]["params"], runs[1]["params"])
@@ -321,16 +346,31 @@ def _(learner):
         _, alone = train_single_process(x[shard], y[shard])
         if _diff(runs[0]["params"], alone) < 1e-5:
             raise Wrong("rank 0 ended exactly where training on its own shard alone would: its steps used its own "
-                        "gradient. Call average_gradients(model) after loss.backward() and before the "
-                        "SGD step, every step")
-    raise Wrong(f"after {STEPS} steps the ranks' parameters differ by {gap:.3g}: they started from different weights "
-                "(here each rank builds its model with its own seed, as independent processes would). Call "
-                "broadcast_parameters(model) before the first step")
+                        "gradient, never the other rank's. The gradients must be averaged over the ranks between "
+                        "backward and the optimizer step, every step",
+                        reveal="loss.backward(); average_gradients(model); sgd_step(model, lr)")
+    # Rank 1's first loss tells where it started: from its own weights (no broadcast), or from
+    # rank 0's (the broadcast happened, so the drift comes from the steps).
+    l1 = runs[1]["losses"][0]
+    half = x.shape[0] // WORLD
+    if any(_close(l1, _first_loss(1, rows)) for rows in (slice(half, None), slice(None))) and \
+            not any(_close(l1, _first_loss(0, rows)) for rows in (slice(half, None), slice(None))):
+        raise Wrong(f"after {STEPS} steps the ranks' parameters differ by {gap:.3g}, and rank 1's first loss is its "
+                    "own model's: they started from different weights (each rank builds its model with its own "
+                    "seed, as independent processes would). The weights must be made equal before the first step",
+                    reveal="broadcast_parameters(model) before the first step")
+    if any(_close(l1, _first_loss(0, rows)) for rows in (slice(half, None), slice(None))):
+        raise Wrong(f"the ranks started from the same weights (rank 1's first loss is rank 0's model's) but drifted "
+                    f"apart, by {gap:.3g} after {STEPS} steps: their steps differ, so average_gradients did not "
+                    "leave the same gradient on every rank (reducing p.data, or a copy of p.grad, leaves each rank "
+                    "its own p.grad). Check 04.average_gradients: its cases name the mistake", reveal=AVERAGE_CODE)
+    raise AssertionError(f"after {STEPS} steps the ranks' parameters differ by {gap:.3g}")
 
 
 @parity_ex.case("each rank trains on its own shard of the batch",
-                hint="rank r takes x.chunk(world_size)[r] and y.chunk(world_size)[r] "
-                     "(world_size equal, disjoint parts)", timeout=150)
+                hint="rank r's shard is the r-th of world_size equal, disjoint parts of the batch (rank 0: the "
+                     "first rows), of x and of y alike", reveal="x.chunk(world_size)[rank], y.chunk(world_size)[rank]",
+                after=SAME_PARAMS, timeout=150)
 def _(learner):
     runs = _train_runs(learner)
     x, y = _data()
@@ -339,18 +379,19 @@ def _(learner):
     full = ref_losses[0]
     if abs(l0 - full) < 1e-6 * max(1.0, full) and abs(l1 - full) < 1e-6 * max(1.0, full):
         raise Wrong("both ranks report the full batch's loss: either each rank trained on the whole batch (the same "
-                    "work twice: nothing is parallel) or you returned the averaged loss. Take this rank's shard "
-                    "and return its own loss.item()")
+                    "work twice: nothing is parallel) or you returned the averaged loss. Each rank computes its "
+                    "loss on its own shard and returns that", reveal="x.chunk(world_size)[rank], y.chunk(world_size)[rank]")
     if abs((l0 + l1) / 2 - full) > 1e-4 * max(1.0, full):
         raise Wrong(f"the mean of the ranks' first losses ({(l0 + l1) / 2:.5f}) is not the full batch's loss "
-                    f"({full:.5f}): the shards must split the batch into world_size equal, disjoint parts")
+                    f"({full:.5f}): the shards must split the batch into world_size equal, disjoint parts",
+                    reveal="x.chunk(world_size)[rank], y.chunk(world_size)[rank]")
     return f"first losses {l0:.4f} and {l1:.4f}, mean {(l0 + l1) / 2:.4f} = full batch {full:.4f}"
 
 
 @parity_ex.case("the parameters match one process trained on the full batch",
-                hint="every step: model.zero_grad(), loss on the shard, backward, average_gradients(model), "
-                     "sgd_step(model, lr)",
-                timeout=150)
+                hint="each step must take the step one process takes on the full batch: gradients from zero, the "
+                     "shard's loss, its gradient averaged over the ranks, then the SGD step",
+                reveal=LOOP_CODE, after=[SAME_PARAMS, "each rank trains on its own shard of the batch"], timeout=150)
 def _(learner):
     runs = _train_runs(learner)
     x, y = _data()
@@ -360,9 +401,9 @@ def _(learner):
         return f"max |difference| {gap:.1g} after {STEPS} steps"
     if _diff(runs[0]["params"], train_single_process(x, y, lr=LR * WORLD)[1]) < 1e-5:
         raise Wrong("your run matches one process at twice the learning rate: the gradients were summed over the "
-                    "ranks, not averaged. Divide by the world size")
+                    "ranks, not averaged", reveal="after dist.all_reduce(p.grad): p.grad /= dist.get_world_size()")
     if _diff(runs[0]["params"], train_single_process(x, y, zero_grad=False)[1]) < 1e-5:
-        raise Wrong("your run matches one process that never zeroes its gradients: call model.zero_grad() "
-                    "every step (backward adds to .grad)")
+        raise Wrong("your run matches one process that never zeroes its gradients: backward adds to .grad, so "
+                    "each step must start from zero gradients", reveal="model.zero_grad() at the start of every step")
     raise AssertionError(f"after {STEPS} steps rank 0's parameters differ from the single-process reference by "
                          f"{gap:.3g}")

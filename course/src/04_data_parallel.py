@@ -47,11 +47,26 @@
 # some ranks reach waits forever (here, until the group's timeout).
 #
 # In this notebook, `on_ranks(fn, 2, ...)` does what `torchrun` does: it starts two processes,
-# initialises gloo in each, runs `fn(rank, world_size, ...)` and returns every rank's result. A new
-# process cannot receive a function defined in a notebook, so `on_ranks` writes the cell that
-# defines `fn` to a file that each rank imports (the checks below do the same with your exercise
-# cells). So a function that runs on the ranks may use only its own cell's definitions and the
-# imports at the top of the notebook; keep such cells to definitions.
+# initialises gloo in each, runs `fn(rank, world_size, ...)` and returns every rank's result.
+#
+# **What a rank sees of this notebook.** A new process cannot receive a function defined in a
+# notebook, so the functions are written to a file that each rank imports. The file holds:
+#
+# 1. the course's standard imports, the ones the first code cell below starts with (`contextlib`,
+#    `math`, `os`, `queue`, `threading`, `time`, `torch`, `nn`, `F`, `dist`, and all of
+#    `course.lib`), not the rest of that cell;
+# 2. the **cells that define the functions handed over**: for `on_ranks(fn, ..., also=[g, h])`, the
+#    cell of `fn` and the cells of `g` and `h`; for a check, the cells that define the names the
+#    exercise lists (04.average_gradients: `broadcast_parameters`, `average_gradients`;
+#    04.train_parity: `train_data_parallel` and `sgd_step`, **and** the cell of 04.average_gradients,
+#    whose two functions your training loop calls);
+# 3. of each such cell, only its definitions: imports, `def`, `class`, and assignments whose calls
+#    reach only builtins, imported names or `course.lib` (`SCALE = 2.0`, `model = TinyMLP()`). A
+#    call you left in the cell (`print(...)`, a test run, `out = train(...)`) stays behind, so it
+#    does not run again, or spawn ranks of its own, in every rank.
+#
+# Anything else (a helper in another cell, a variable set by running a cell) does not exist in the
+# ranks: put a helper in the same cell as the function that calls it.
 
 # %%
 import contextlib, math, os, queue, threading, time
@@ -79,22 +94,32 @@ for line in on_ranks(hello_collectives, 2):
 # %% [markdown]
 # ## Exercise 04.average_gradients — the same start, the mean gradient
 #
-# Write the two functions every data-parallel trainer is built on. Both run on every rank.
+# Write the two functions every data-parallel trainer is built on. Every rank calls each of them,
+# at the same point of its program. What they must do:
 #
-# - `broadcast_parameters(model)`: every parameter becomes rank 0's. Broadcast `p.data` (or work
-#   under `torch.no_grad()`): a collective writes into the tensor in place, and autograd may refuse
-#   in-place writes into a parameter that requires grad (`dist.all_reduce(p)` raises "a leaf
-#   Variable that requires grad is being used in an in-place operation"). DDP broadcasts the
-#   buffers too, e.g. BatchNorm's running statistics; `TinyMLP` has none.
-# - `average_gradients(model)`, called after `loss.backward()`: every `p.grad` becomes the mean over
-#   ranks. `dist.all_reduce` sums in place, then divide by `dist.get_world_size()` (NCCL, and gloo in
-#   recent PyTorch, also offer `op=dist.ReduceOp.AVG`; sum-then-divide works on every backend).
-#   Reduce the gradients, **not** the parameters, and skip parameters whose `.grad` is `None` (a
-#   frozen layer has none).
+# | function | called | afterwards, on every rank |
+# |---|---|---|
+# | `broadcast_parameters(model)` | once, before the first step | each parameter of *this rank's* `model` holds rank 0's values (the same model object, not a new one) |
+# | `average_gradients(model)` | after `loss.backward()` | each parameter's `.grad` holds the mean of that gradient over the ranks; the parameters themselves are unchanged; a parameter without a gradient (`.grad is None`: frozen, or unused) is left as it is |
 #
-# One `all_reduce` per parameter, all after backward, is the simplest correct scheme. It is also
-# the slowest: many small messages (lesson 06 packs them into buckets) and none of them starts
-# before backward has finished (lesson 05 starts each one as soon as its gradient exists).
+# What you need to know about the collectives, beyond the table above (their whole interface here):
+#
+# - a collective writes **in place** into the tensor you pass it, so the result lands only where
+#   the tensor's storage is: a copy gets the result and is thrown away;
+# - autograd refuses in-place writes into a tensor it tracks, such as a parameter that requires
+#   grad ("a leaf Variable that requires grad is being used in an in-place operation");
+#   `p.data` is the same storage without autograd's tracking, and `torch.no_grad()` turns the
+#   tracking off for a block;
+# - there is no mean on every backend (`ReduceOp.AVG` exists on NCCL and recent gloo only): build
+#   it from the sum the table gives you.
+#
+# DDP also broadcasts the buffers (BatchNorm's running statistics); `TinyMLP` has none. The check
+# runs your two functions on two ranks whose models were built with different seeds and whose
+# gradients differ, and says which of the behaviours above is missing.
+#
+# Once it passes, think about the cost of your scheme: how many messages per step, and when the
+# first one can start. Lesson 05 starts each gradient's reduction as soon as backward produces it,
+# lesson 06 packs small gradients into buckets.
 
 # %%
 def broadcast_parameters(model):
@@ -122,26 +147,36 @@ check("04.average_gradients")
 # %% [markdown]
 # ## Exercise 04.train_parity — train on two ranks, match one process
 #
-# Write `train_data_parallel(model, x, y, steps, lr)`, which runs on every rank:
+# Write `train_data_parallel(model, x, y, steps, lr)`: data-parallel training with the two
+# functions of 04.average_gradients.
 #
-# - every rank receives the whole batch `x, y` (as if each could read the dataset) and a model it
-#   built itself, **with its own seed** (as independent processes do: the check builds rank r's
-#   model with `TinyMLP(seed=r)`);
-# - take this rank's shard: `x.chunk(world_size)[rank]` and the same rows of `y` (rank 0 the first
-#   half, rank 1 the second);
-# - broadcast the parameters, then train for `steps` steps: zero the gradients
-#   (`model.zero_grad()`), `F.mse_loss(model(x_shard), y_shard)`, backward, average the gradients,
-#   and `sgd_step(model, lr)`;
-# - return the list of this rank's own shard losses (`loss.item()` of every step).
+# **Interface.** It runs on every rank of an initialised group (`dist.get_rank()`,
+# `dist.get_world_size()`). `model` is a `TinyMLP` that this rank built itself, **with its own
+# seed**, as independent processes do (the check builds rank r's with `TinyMLP(seed=r)`). `x, y`
+# is the whole batch, the same on every rank, as if each rank could read the dataset. It trains
+# for `steps` steps of MSE loss with `sgd_step(model, lr)` (given below) and returns a list of
+# `steps` floats: this rank's loss at each step.
 #
-# `sgd_step` (given, above your function) is plain SGD, `p -= lr * p.grad`: what
-# `torch.optim.SGD(params, lr)` does without momentum. It is written out because a process that
-# builds its first `torch.optim` optimizer spends seconds importing `torch._dynamo`, and
-# the checks start fresh processes; in a real script, use `torch.optim`.
+# **Behaviour the check measures** (on two gloo processes):
 #
-# The check runs it on two gloo processes and trains one process on the full batch with the same
-# SGD: the ranks must agree with each other, their shards must differ, and the final parameters
-# must match the single process's within $10^{-5}$.
+# - the reference is one process training `TinyMLP(seed=0)` on the whole batch with the ordinary
+#   loop: each step's gradient starts from zero, then the loss, backward, `sgd_step`;
+# - after your run every rank holds the same parameters, equal to the reference's within
+#   $10^{-5}$;
+# - each rank computes its loss and gradient on **its own shard** only: `world_size` equal,
+#   disjoint parts of the batch, rank 0's made of the first rows (so the mean of the two ranks'
+#   first losses is the reference's first loss);
+# - the losses returned are this rank's own shard losses, not an average over ranks.
+#
+# The math at the top of the lesson says what each rank must add to the ordinary loop so that
+# every rank takes the reference's step; the design is yours. Your function may call
+# `sgd_step`, `broadcast_parameters` and `average_gradients`: the ranks get this cell and the cell
+# of 04.average_gradients (see "What a rank sees of this notebook" above).
+#
+# `sgd_step` is plain SGD, `p -= lr * p.grad`: what `torch.optim.SGD(params, lr)` does without
+# momentum. It is written out because a process that builds its first `torch.optim` optimizer
+# spends seconds importing `torch._dynamo`, and the checks start fresh processes; in a real
+# script, use `torch.optim`.
 
 # %%
 def sgd_step(model, lr):
@@ -175,7 +210,9 @@ check("04.train_parity")
 # %% [markdown]
 # ## Measure: parity step by step, and what the all-reduce costs
 #
-# `record_run` runs on both ranks. It trains with your `train_data_parallel` one step at a time
+# `record_run` runs on both ranks, so `on_ranks` is handed the functions it calls
+# (`also=[train_data_parallel, average_gradients]`: their cells carry `sgd_step` and
+# `broadcast_parameters` along). It trains with your `train_data_parallel` one step at a time
 # (plain SGD keeps no state between steps, so 30 calls of one step are one run of 30 steps; each
 # call broadcasts again, which changes nothing once the ranks agree) and keeps every step's loss
 # and parameters. Then it times a larger model's step part by part: forward, backward, and your
