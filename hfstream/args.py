@@ -39,7 +39,7 @@ from transformers import TrainingArguments
 
 from .gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, STREAM_PRIORITIES, comm_dtype_name
 
-GRAD_SYNC_MODES = ("auto", "overlap", "serial", "native")
+GRAD_SYNC_MODES = ("auto", "overlap", "serial", "sharded", "native")
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,9 @@ class StreamTrainingArguments(TrainingArguments):
         default="auto",
         metadata={"help": "How gradients are averaged across ranks: 'overlap' (hfstream buckets launched "
                           "from gradient hooks during backward), 'serial' (one all-reduce after backward; "
-                          "the teaching baseline), 'native' (whatever Accelerate does: DDP, FSDP, DeepSpeed), "
+                          "the teaching baseline), 'sharded' (reduce-scatter during backward, each rank steps its 1/N of "
+                          "the optimizer, the parameter all-gather hidden in the next forward; opt-in, as it changes "
+                          "the optimizer's layout), 'native' (whatever Accelerate does: DDP, FSDP, DeepSpeed), "
                           "'auto' (overlap under plain multi-process data parallel, native otherwise).",
                   "choices": list(GRAD_SYNC_MODES)},
     )
@@ -122,7 +124,13 @@ class StreamTrainingArguments(TrainingArguments):
             logger.info("hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
                         "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])
             self.use_cpu = True
-        if self.grad_sync in ("overlap", "serial") and self._uses_sharded_engine():
+        if self.grad_sync == "sharded" and self.fp16:
+            raise ValueError(
+                "grad_sync='sharded' cannot be combined with fp16=True: the fp16 GradScaler looks for inf/NaN in each "
+                "rank's own gradient slices only, so ranks could disagree on skipping a step. Use bf16=True (no "
+                "scaler), or grad_sync='overlap' with fp16."
+            )
+        if self.grad_sync in ("overlap", "serial", "sharded") and self._uses_sharded_engine():
             raise ValueError(
                 f"grad_sync={self.grad_sync!r} cannot be combined with FSDP, DeepSpeed or tensor parallelism: "
                 "those engines own gradient communication. Use grad_sync='native' (or 'auto')."

@@ -151,7 +151,7 @@ class StreamTrainerMixin:
         engine = self.accelerator.distributed_type
         sharded_model = self._model_is_sharded()
         plain_dp = engine in _PLAIN_DP and not self.args._uses_sharded_engine() and not sharded_model
-        if requested in ("overlap", "serial") and not plain_dp:
+        if requested in ("overlap", "serial", "sharded") and not plain_dp:
             owner = ("the model was sharded at load time (DTensor parameters / from_pretrained(distributed_config=...))"
                      if sharded_model else f"Accelerate runs {engine}")
             raise ValueError(
@@ -183,7 +183,12 @@ class StreamTrainerMixin:
 
     @property
     def _hfstream_sync(self) -> bool:
-        return self.grad_sync_mode in ("overlap", "serial")
+        return self.grad_sync_mode in ("overlap", "serial", "sharded")
+
+    @property
+    def _optimizer_sharded(self) -> bool:
+        """grad_sync="sharded" on several processes: each rank's optimizer holds its slices only."""
+        return self.grad_sync is not None and self.grad_sync.mode == "sharded" and self.grad_sync.world_size > 1
 
     # -- where data moves to the device ------------------------------------------------------------
     def get_train_dataloader(self):
@@ -234,6 +239,7 @@ class StreamTrainerMixin:
         if training and self._hfstream_sync and (self.grad_sync is None or self.grad_sync.closed):
             from .gradsync import GradSync
 
+            previous = self.grad_sync   # the last train()'s, closed: a sharded optimizer is cut by it
             # Autocast and device placement from Accelerate, but no DDP wrapper: prepare_model
             # marks the module as prepared, so the Trainer's later prepare() leaves it alone.
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
@@ -249,12 +255,28 @@ class StreamTrainerMixin:
                 broadcast_buffers=bool(self.args.ddp_broadcast_buffers),
             )
             release_at_exit(self.grad_sync)   # a finished run must exit 0 (clean_exit.py)
+            if self.grad_sync_mode == "sharded":
+                self._shard_optimizer(previous)
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
                 logger.info("hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
                             self.args.ddp_bucket_cap_mb)
         if training and self._timeline is not None and self._forward_hook is None:
             self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(self._forward_done)
         return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _shard_optimizer(self, previous) -> None:
+        """grad_sync="sharded": the optimizer the Trainer built (or was given) keeps this rank's slices only.
+
+        Converted in place (same object, class, groups; the scheduler is built on it next). A
+        second train() re-cuts the state the last one left to the new GradSync's slices.
+        """
+        from .gradsync import shard_state
+
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)   # inside Accelerate's wrapper
+        if previous is not None and previous._sharded is not None and previous._sharded.optimizer is optimizer:
+            shard_state.reshard(previous, self.grad_sync, optimizer)
+        else:
+            self.grad_sync.shard_optimizer(optimizer)
 
     def _say_what_ddp_options_do(self) -> None:
         """DDP's own options set for a run whose gradients hfstream reduces: say once what becomes of each."""
@@ -356,12 +378,47 @@ class StreamTrainerMixin:
             timeline.optimizer_start()
         return loss
 
+    def _clip_grad_norm(self, model):
+        if self._optimizer_sharded:   # the norm of the whole mean gradient, from every rank's slices
+            return self.grad_sync.clip_grad_norm_(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None and self._optimizer_sharded:   # max_grad_norm=0: the norm, unclipped
+            grad_norm = self.grad_sync.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """grad_sync="sharded": every rank's slices saved whole, as the unsharded optimizer's state dict.
+
+        The file is the one the stock Trainer writes (``optimizer.pt``), layout-free: resuming on
+        another process count or bucket cap, or with the stock Trainer, loads it; the sharded
+        optimizer's ``load_state_dict`` cuts it into this rank's slices (`gradsync.shard_state`).
+        """
+        if not self._optimizer_sharded:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        import warnings
+
+        import torch
+        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, reissue_pt_warnings
+
+        self._watch(f"saving the optimizer of step {self.state.global_step} (gathering every rank's slices)")
+        state = self.grad_sync.optimizer_state_dict(keep=self.args.should_save)   # a collective
+        if self.args.should_save:
+            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+            with warnings.catch_warnings(record=True) as caught:
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            reissue_pt_warnings(caught)
+
     # -- between steps ---------------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         # Called right after each optimizer step (and at each epoch's end): the step is over.
         if self._timeline is not None:
             self._timeline.end_step()
         self._watch(f"after step {self.state.global_step} (logging, evaluation or saving a checkpoint)")
+        if self._optimizer_sharded and (self.control.should_evaluate or self.control.should_save):
+            # The step's all-gathers would otherwise wait for the next forward (sharded mode).
+            self.grad_sync.wait_for_params()
         return super()._maybe_log_save_evaluate(*args, **kwargs)
 
     def prediction_step(self, *args, **kwargs):

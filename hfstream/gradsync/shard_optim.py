@@ -10,8 +10,8 @@ guessing each optimizer class's constructor arguments from its ``defaults``.
 
 `clip_grad_norm_` gives the result of ``torch.nn.utils.clip_grad_norm_`` on the full mean
 gradient from the slices: each rank's local norm, one scalar all-reduce, the same coefficient
-on every rank. `carry_over` moves gradients and optimizer state to new slices when the buckets
-are re-planned (the first step's arrival order, ``bucket_mb="auto"``).
+on every rank. How the state outlives a layout (a re-plan, a checkpoint, another process count):
+`shard_state`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import shard_state
+from .shard_state import carry_over  # noqa: F401  (sharded.py calls it here)
 
 # Optimizers already sharded, and by which GradSync (weakly: the registry keeps nothing alive).
 _SHARDED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, str]" = weakref.WeakKeyDictionary()
@@ -73,8 +74,19 @@ def shard_optimizer(sync, optimizer):
     group_of = check_optimizer(sync, optimizer)
     _SHARDED[optimizer] = repr(sync)
     if sync._sharded is not None:   # None with one process: nothing to shard, nothing to pay
+        shard_state.remember_groups(optimizer)
         sync._sharded.attach(optimizer, group_of)
+        # Checkpoints in the whole, layout-free form load by themselves (shard_state).
+        sync._sharded._handles += [
+            optimizer.register_state_dict_post_hook(lambda _opt, sd: shard_state.mark_local(sync, sd)),
+            optimizer.register_load_state_dict_pre_hook(lambda opt, sd: shard_state.whole_to_local(sync, opt, sd)),
+        ]
     return optimizer
+
+
+def release(optimizer) -> None:
+    """Forget that ``optimizer`` was sharded (it was put back on the model's parameters)."""
+    _SHARDED.pop(optimizer, None)
 
 
 def install(optimizer, states) -> None:
@@ -85,76 +97,6 @@ def install(optimizer, states) -> None:
     """
     for g, group in enumerate(optimizer.param_groups):
         group["params"] = [t for st in states for gg, t in st.shard.tensors if gg == g]
-
-
-@torch.no_grad()
-def carry_over(optimizer, old_states, new_states, named, group, world_size: int) -> None:
-    """Move the gradient slices and the optimizer's state from the old buckets' slices to the new ones.
-
-    Collectives (every rank calls it at the same step, between steps): per state key, the old
-    slices are all-gathered into whole parameters and cut into the new slices. Per-element state
-    is a tensor shaped like its shard tensor (momentum, exp_avg, ...); anything else ("step") is
-    the same for every shard tensor and is copied.
-    """
-    old_tensors = [t for st in old_states for _, t in st.shard.tensors]
-    per_element, scalars = {}, {}   # per_element: key -> {parameter dtype: state dtype}
-    for t in old_tensors:
-        for k, v in optimizer.state.get(t, {}).items():
-            if torch.is_tensor(v) and v.dim() > 0 and v.shape == t.shape:
-                per_element.setdefault(k, {})[t.dtype] = v.dtype
-            else:
-                scalars.setdefault(k, v)
-    # A rank may hold no state (all its slices are padding): agree on the keys, dtypes and scalars.
-    views = [None] * world_size
-    dist.all_gather_object(views, (per_element, {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in scalars.items()}),
-                           group=group)
-    for keys, values in views:
-        for k, dtypes in keys.items():
-            per_element[k] = {**dtypes, **per_element.get(k, {})}
-        for k, v in values.items():
-            scalars.setdefault(k, v)
-    index = {id(p): i for i, (_, p) in enumerate(named)}
-
-    def move(dtype_of, old_slice, assign) -> None:
-        # Buckets hold one dtype each; a parameter's old and new bucket have the same one.
-        whole = {}
-        for st in old_states:
-            sh = st.shard
-            gathered = torch.empty(sh.size * world_size, dtype=dtype_of(st), device=sh.master.device)
-            collectives.launch_all_gather(gathered, old_slice(st), group).wait()
-            for o, p in zip(sh.offsets, sh.params):
-                whole[index[id(p)]] = gathered[o:o + p.numel()]
-        for st in new_states:
-            sh = st.shard
-            new = torch.zeros(sh.size, dtype=dtype_of(st), device=sh.master.device)
-            for o, p in zip(sh.offsets, sh.params):
-                a, b = max(o, sh.lo), min(o + p.numel(), sh.lo + sh.size)
-                if b > a:
-                    new[a - sh.lo:b - sh.lo] = whole[index[id(p)]][a - o:b - o]
-            assign(st, new)
-
-    move(lambda st: st.shard.grad.dtype, lambda st: st.shard.grad, lambda st, new: st.shard.grad.copy_(new))
-    for key, dtypes in sorted(per_element.items()):
-        def dtype_of(st, dtypes=dtypes):
-            return dtypes.get(st.plan.dtype, st.plan.dtype)
-
-        def old_slice(st, key=key, dtype_of=dtype_of):
-            out = torch.zeros(st.shard.size, dtype=dtype_of(st), device=st.shard.master.device)
-            for (_, t), (_, a, b) in zip(st.shard.tensors, st.shard.pieces):
-                if key in optimizer.state.get(t, {}):
-                    out[a:b] = optimizer.state[t][key]
-            return out
-
-        def assign(st, new, key=key):
-            for (_, t), (_, a, b) in zip(st.shard.tensors, st.shard.pieces):
-                optimizer.state[t][key] = new[a:b].clone()
-        move(dtype_of, old_slice, assign)
-    for t in old_tensors:
-        optimizer.state.pop(t, None)
-    for st in new_states:
-        for _, t in st.shard.tensors:
-            for k, v in scalars.items():   # a rank that held no state gets them from a peer, on the CPU
-                optimizer.state[t][k] = v.clone() if torch.is_tensor(v) else v
 
 
 @torch.no_grad()
@@ -173,18 +115,22 @@ def clip_grad_norm_(sync, max_norm: float, norm_type: float = 2.0, error_if_nonf
                            "sync.shard_optimizer(optimizer) first, then finish() after backward")
     tensors = [t for st in sync._states for _, t in st.shard.tensors if t.grad is not None]
     device = tensors[0].device if tensors else sync._agree_device
-    if tensors:
-        local = torch.nn.utils.get_total_norm([t.grad for t in tensors], norm_type, False, foreach).to(device)
-    else:
-        local = torch.zeros((), device=device)
-    local = local.to(torch.float32) if local.dtype not in (torch.float32, torch.float64) else local
+    dtype = tensors[0].grad.dtype if tensors else torch.float32
+    # Partial sums in float64: how the gradient is cut into slices (bucket cap, re-plan, process
+    # count) then changes the norm far below float32's last bit, so a resumed run, whose layout
+    # may differ from the uninterrupted one's, clips with the same coefficient.
+    grads = [t.grad for t in tensors]
     if math.isinf(norm_type):
-        total = local.clone()
+        local = (torch.stack([g.abs().max().to(torch.float64) for g in grads if g.numel()]).max()
+                 if any(g.numel() for g in grads) else torch.zeros((), dtype=torch.float64, device=device))
+        total = local.to(device)
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=sync.process_group)
     else:
-        total = local.pow(norm_type)   # each element counted once: the slices partition the gradient
+        total = (torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]).pow(norm_type).sum()
+                 if grads else torch.zeros((), dtype=torch.float64)).to(device)   # each element once: slices partition
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=sync.process_group)
         total = total.pow(1.0 / norm_type)
+    total = total.to(dtype)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
                            f"clipped. To disable this error and scale the gradients by the non-finite norm "

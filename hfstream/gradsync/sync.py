@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import streams
-from . import faults, registry, shard_optim
+from . import faults, registry, shard_optim, shard_state
 from .broadcast import broadcast_from_rank0
 from .buckets import DDP_BUCKET_MB, Bucket, plan_buckets
 from .sharded import ShardedBuckets
@@ -515,6 +515,17 @@ class GradSync:
         Under ``mode="sharded"`` from the slices (one scalar all-reduce); otherwise torch's own.
         """
         return shard_optim.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def optimizer_state_dict(self, keep: bool = True) -> dict | None:
+        """``mode="sharded"``: the unsharded optimizer's ``state_dict()``, from all ranks' slices (a collective).
+
+        Layout-free (any process count or bucket cap loads it, as does an unsharded optimizer);
+        the sharded optimizer's ``load_state_dict`` takes it as it is. ``keep=False``: None here.
+        """
+        if self._sharded is None or not self._sharded.attached:
+            raise RuntimeError("optimizer_state_dict() needs GradSync(mode='sharded') with several processes and "
+                               "sync.shard_optimizer(optimizer) called; otherwise use optimizer.state_dict()")
+        return shard_state.optimizer_state_dict(self, keep)
 
     def wait_for_params(self) -> None:
         """``mode="sharded"``: wait for the all-gathers since the last step; the model is then current.
