@@ -27,11 +27,28 @@ def _progress_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setenv("HFSTREAM_COURSE_FIGURES", str(tmp_path / "figures"))
 
 
-def test_ten_lessons_each_with_two_exercises():
-    assert LESSONS == [f"{i:02d}" for i in range(10)], LESSONS
+def test_every_lesson_00_to_nn_present_consecutive_each_with_two_exercises():
+    assert len(LESSONS) >= 10, LESSONS
+    assert LESSONS == [f"{i:02d}" for i in range(len(LESSONS))], f"lessons must run 00, 01, ... without a gap: {LESSONS}"
     for src in course_build.lesson_sources():
         built = course_build.build_lesson(src)
         assert len(built.exercises) >= 2, f"{src.name} has {len(built.exercises)} graded exercise(s)"
+
+
+def test_the_readme_syllabus_has_a_row_per_lesson_naming_its_exercises():
+    readme = (ROOT / "course" / "README.md").read_text()
+    rows = [ln for ln in readme.splitlines() if re.match(r"\| \[\d\d ", ln)]
+    assert [r[3:5] for r in rows] == LESSONS, "one syllabus row per lesson, in order"
+    for row, src in zip(rows, course_build.lesson_sources()):
+        assert f"(src/{src.name})" in row, f"the row of {src.stem} links another file: {row[:80]}"
+        named = re.findall(r"`(\d\d\.[a-z0-9_]+)`", row)
+        assert named == course_build.build_lesson(src).exercises, (src.stem, named)
+        minutes = re.search(r"\*\*Time:\*\* (\d+) minutes", src.read_text()).group(1)
+        assert row.split("|")[2].strip() == f"{minutes} min", f"{src.stem} says {minutes} minutes: {row[:70]}"
+    total = sum(int(re.search(r"\*\*Time:\*\* (\d+) minutes", s.read_text()).group(1))
+                for s in course_build.lesson_sources())
+    exercises = sum(len(course_build.build_lesson(s).exercises) for s in course_build.lesson_sources())
+    assert f"{total} minutes in all" in readme and f"{exercises} graded exercises" in readme, (total, exercises)
 
 
 def test_committed_notebooks_are_built_from_the_current_sources():
