@@ -170,3 +170,18 @@ def test_grade_takes_several_lessons_or_all(monkeypatch, capsys):
         runner.main(["grade", "04", "42"])
     with pytest.raises(SystemExit, match="or --all, not both"):
         runner.main(["grade", "04", "--all"])
+
+
+def test_the_headless_grade_keeps_the_second_stage_with_its_case(monkeypatch):
+    ex = _scale_exercise("99.hint_grade")
+    rows = [{"exercise": "99.hint_grade", "case": "scale doubles", "passed": False, "message": "you added 2",
+             "reveal": "def scale(x): return 2 * x", "failures": 3},
+            {"exercise": "99.hint_grade", "case": "scale of a tensor", "passed": False,
+             "message": "fix the case above first ('scale doubles'): this case depends on it"}]
+    monkeypatch.setattr(runner, "notebook_for", lambda lesson, which: runner.ROOT / "course" / "x.ipynb")
+    monkeypatch.setattr(runner, "execute", lambda path, timeout, save_to: (rows, [], 0, 0.1))
+    monkeypatch.setattr(runner, "lesson_exercises", lambda lesson: [ex])
+    grade = runner.grade_lesson("99", "solution")
+    assert grade.exercises[0].messages == [
+        "scale doubles: you added 2 (more, after 3 tries: def scale(x): return 2 * x)",
+        "scale of a tensor: fix the case above first ('scale doubles'): this case depends on it"]
