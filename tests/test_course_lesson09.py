@@ -7,8 +7,9 @@ import textwrap
 
 import pytest
 
+from course import build as course_build
 from course.checks import lesson09
-from course.grading import check, run_cell
+from course.grading import LEARNER_PREAMBLE, check, lesson_exercises, run_cell
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -54,6 +55,13 @@ def test_ring_allreduce_mistakes_get_their_hint(bandwidth, latency, words):
     results = scaling(bandwidth=bandwidth, latency=latency)
     assert not results[0].passed
     assert words in results[0].message, results[0].message
+    assert not results[0].reveal and lesson09.REVEAL_RING not in results[0].message   # first stage only
+    assert "fix the case above first" in results[1].message
+
+
+def test_the_ring_formula_is_revealed_from_the_third_failure_in_a_row():
+    reveals = [scaling(latency="0.0")[0].reveal for _ in range(3)]
+    assert reveals[:2] == ["", ""] and reveals[2] == lesson09.REVEAL_RING
 
 
 def test_one_allreduce_for_the_whole_model_is_caught():
@@ -69,6 +77,7 @@ def test_one_allreduce_for_the_whole_model_is_caught():
 def test_a_ceiling_that_ignores_the_link_is_caught(ideal, words):
     results = scaling(ideal=ideal)
     assert not results[1].passed and words in results[1].message, results[1].message
+    assert not results[1].reveal and "max(backward" not in results[1].message
 
 
 def test_the_planner_formula_passes_with_a_detail():
@@ -135,12 +144,14 @@ def crossover(cross=RIGHT_CROSS.format(adjust=""), min_link=RIGHT_MIN.format(lat
 def test_crossover_mistakes_get_their_hint(cross, words):
     results = crossover(cross=cross)
     assert not results[0].passed and words in results[0].message, results[0].message
+    assert not results[0].reveal and "(lo + hi) // 2" not in results[0].message
 
 
 def test_min_link_without_latency_is_caught():
     results = crossover(min_link=RIGHT_MIN.format(latency="0.0"))
     assert results[0].passed and not results[1].passed
     assert "left out the latency" in results[1].message, results[1].message
+    assert not results[1].reveal and lesson09.REVEAL_MIN_LINK not in results[1].message
 
 
 def test_the_right_crossover_and_bandwidth_pass():
@@ -150,9 +161,46 @@ def test_the_right_crossover_and_bandwidth_pass():
 
 
 # --------------------------------------------------------------------------- 09.final_challenge
-def challenge(config_source: str):
-    ns = run_cell(f"def final_run_config():\n    return {config_source}\n")
+SCHEDULE = RING.format(bandwidth=RIGHT_BW, latency=RIGHT_LAT) + """
+def overlap_step_ms(buckets, forward_ms, backward_ms, optimizer_ms, world_size, link_gbs, latency_us):
+    times = [ring_allreduce_ms(b, world_size, link_gbs, latency_us) for b, _ in buckets]
+{body}
+"""
+RIGHT_SCHEDULE = """
+    end = 0.0
+    for t, (_, ready) in zip(times, buckets):
+        end = max(ready * backward_ms, end) + t
+    return forward_ms + max(backward_ms, end) + optimizer_ms
+"""
+
+
+def challenge(config_source: str, schedule: str = RIGHT_SCHEDULE):
+    ns = run_cell(SCHEDULE.format(body=textwrap.indent(textwrap.dedent(schedule), "    "))
+                  + f"\ndef final_run_config():\n    return {config_source}\n")
     return check("09.final_challenge", namespace=ns, quiet=True)
+
+
+GOOD_CONFIG = '{"grad_sync": "overlap", "bucket_mb": 0.125, "prefetch_depth": 2}'
+
+
+@pytest.mark.parametrize("schedule, words", [
+    ("return forward_ms + backward_ms + sum(times) + optimizer_ms", "That is the serial step"),
+    ("return forward_ms + max(backward_ms, sum(times)) + optimizer_ms", "That is the ceiling"),
+    ("end = max([r * backward_ms + t for t, (_, r) in zip(times, buckets)] + [0.0])\n"
+     "return forward_ms + max(backward_ms, end) + optimizer_ms", "the link reduces one bucket at a time"),
+], ids=["serial", "ceiling", "no-queue-on-the-link"])
+def test_planner_schedule_mistakes_are_named_without_the_code(schedule, words, monkeypatch):
+    monkeypatch.setattr(lesson09, "run_lab", lambda *a, **k: _canned(0.8, dict(eval(GOOD_CONFIG))))
+    results = challenge(GOOD_CONFIG, schedule=schedule)
+    assert not results[0].passed and words in results[0].message, results[0].message
+    assert not results[0].reveal and "max(ready * backward_ms" not in results[0].message
+    assert results[1].passed and results[2].passed     # the graded run does not depend on the planner
+
+
+def test_the_right_schedule_passes_as_the_planner():
+    results = challenge("None", schedule=RIGHT_SCHEDULE)
+    assert results[0].passed, results[0].message
+    assert not results[1].passed and "fix the case above first" in results[2].message
 
 
 @pytest.mark.parametrize("config, words", [
@@ -163,7 +211,7 @@ def challenge(config_source: str):
 def test_a_config_the_lab_cannot_run_is_refused_before_measuring(config, words, monkeypatch):
     monkeypatch.setattr(lesson09, "run_lab", lambda *a, **k: pytest.fail("measured an invalid config"))
     results = challenge(config)
-    assert not results[0].passed and words in results[0].message, results[0].message
+    assert not results[1].passed and words in results[1].message, results[1].message
 
 
 def _canned(efficiency, config, buckets=4, data=0.0, busy=52.0, backward=40.0, exposed=10.0, link=48.0):
@@ -194,9 +242,9 @@ def test_a_slow_run_is_told_what_its_breakdown_shows(config, canned, words, monk
 
     monkeypatch.setattr(lesson09, "run_lab", fake)
     results = challenge(repr(config))
-    assert results[0].passed
-    assert not results[1].passed and words in results[1].message, results[1].message
-    assert f"ceiling / step = {canned['efficiency']:.2f}" in results[1].message
+    assert results[1].passed
+    assert not results[2].passed and words in results[2].message, results[2].message
+    assert f"ceiling / step = {canned['efficiency']:.2f}" in results[2].message
     assert len(calls) == 1              # far below the line: no second measurement
 
 
@@ -205,8 +253,8 @@ def test_a_run_just_below_the_line_is_measured_again_with_the_steps_pooled(monke
     effs = iter([lesson09.THRESHOLD - 0.03, lesson09.THRESHOLD + 0.05])   # pooled: 7 steps each
     monkeypatch.setattr(lesson09, "run_lab", lambda configs, **k: _canned(next(effs), configs["yours"]))
     results = challenge(repr(config))
-    assert results[1].passed, results[1].message
-    assert "two runs" in results[1].message
+    assert results[2].passed, results[2].message
+    assert "two runs" in results[2].message
 
 
 def test_a_serial_run_just_below_the_line_stays_below_after_the_second_measurement(monkeypatch):
@@ -214,15 +262,31 @@ def test_a_serial_run_just_below_the_line_stays_below_after_the_second_measureme
     effs = iter([lesson09.THRESHOLD - 0.05, lesson09.THRESHOLD - 0.02])
     monkeypatch.setattr(lesson09, "run_lab", lambda configs, **k: _canned(next(effs), configs["yours"], buckets=1))
     results = challenge(repr(config))
-    assert not results[1].passed and "grad_sync='serial'" in results[1].message
-    assert "two runs" in results[1].message
+    assert not results[2].passed and "grad_sync='serial'" in results[2].message
+    assert "two runs" in results[2].message
 
 
-def test_the_naive_setting_fails_a_real_lab_run_with_the_prefetch_hint():
-    """One real measurement: 2 gloo ranks, ~10 s. The naive setting sits far below the line."""
+def test_the_naive_setting_fails_a_real_lab_run_with_the_prefetch_hint(monkeypatch):
+    """One real measurement: 2 gloo ranks, 8 measured steps. The naive setting sits far below the line."""
+    monkeypatch.setitem(lesson09.LAB, "steps", 8)
     results = challenge('{"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 0}')
-    assert results[0].passed
-    assert not results[1].passed
-    assert "prefetch_depth >= 1" in results[1].message, results[1].message
+    assert results[1].passed
+    assert not results[2].passed
+    assert "prefetch_depth >= 1" in results[2].message, results[2].message
     run = lesson09.LAST_CHALLENGE
     assert run["data_wait_ms"] > 0 and 0 < run["efficiency"] < lesson09.THRESHOLD
+
+
+# --------------------------------------------------------------------------- the student notebook
+def test_untouched_student_exercises_fail_every_case_with_a_first_stage_hint(monkeypatch):
+    monkeypatch.setattr(lesson09, "run_lab", lambda *a, **k: pytest.fail("measured a stub"))
+    built = course_build.build_lesson(next(p for p in course_build.lesson_sources() if p.stem.startswith("09_")))
+    ns: dict = {}
+    run_cell(LEARNER_PREAMBLE, ns)
+    for cell in built.student.cells:
+        if cell.cell_type == "code" and "is yours to write" in cell.source:
+            run_cell(cell.source.replace("from course.checks.lesson09 import THRESHOLD", "THRESHOLD = 0"), ns)
+    for exercise in lesson_exercises("09"):
+        for r in check(exercise.id, namespace=ns, quiet=True):
+            assert not r.passed, f"{exercise.id}: {r.case} passes with the stub"
+            assert len(r.message) > 40 and not r.reveal, (exercise.id, r.message, r.reveal)

@@ -13,12 +13,14 @@ and a batch takes 0.6 x (forward + backward) to produce.
 Efficiency is graded per step, ceiling / step with ceiling = forward + max(backward, the link's
 time for every gradient in one all-reduce) + optimizer (the report's parts of that same step),
 then the median over the steps. THRESHOLD lies between what serial or one-bucket runs reach and
-what overlap with a few buckets and prefetching reaches on a shared 2-core machine; the lesson
-has the measured table.
+what overlap with a few buckets and prefetching reaches on a shared 2-core machine (the author's
+measurements are beside it). ``run_lab(..., simulate=False)`` runs the same lab over this
+machine's loopback, unslowed: the lesson's one measurement in which nothing is simulated.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -164,7 +166,7 @@ def link_ms(link: dict, grad_bytes: int, world_size: int) -> float:
     return link["latency_ms"] + wire_bits / (link["rate_mbit"] * 1e6) * 1e3
 
 
-def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int) -> dict:
+def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int, simulate: bool = True) -> dict:
     """One rank of the lab: calibrate, then step the sessions in turn, one step each, in an order
     shuffled every round (the same on every rank), so that no configuration always runs at the
     same moment of a shared machine's load. Before each of its steps a session's link and data
@@ -185,7 +187,7 @@ def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int) -
     real_all_reduce = dist.all_reduce      # the agreement below must not pay the simulated link
     link = SimulatedLink(start["rate_mbit"], start["latency_ms"])
     order = random.Random(seed)
-    with link.installed():
+    with link.installed() if simulate else contextlib.nullcontext():
         sessions = [_Session(name, cfg, rank, start["data_ms"] / 1e3, lab) for name, cfg in configs.items()]
         recent = {s.name: [] for s in sessions}
         now = {s.name: start for s in sessions}
@@ -196,7 +198,7 @@ def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int) -
                 for s in order.sample(sessions, len(sessions)):
                     link.rate_mbit, link.latency_ms = now[s.name]["rate_mbit"], now[s.name]["latency_ms"]
                     s.source.delay_s = now[s.name]["data_ms"] / 1e3
-                    used[s.name].append(link_ms(now[s.name], grad_bytes, world_size))
+                    used[s.name].append(link_ms(now[s.name], grad_bytes, world_size) if simulate else None)
                     s.step()
                     last = s.timeline.records[-1]
                     t = torch.tensor([last.forward_ms, last.backward_ms], dtype=torch.float64)
@@ -208,7 +210,8 @@ def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int) -
             for s in sessions:
                 recs = list(s.timeline.records)[lab["warmup"]:]
                 out["runs"][s.name] = {"records": [r.as_dict() for r in recs], "buckets": len(s.sync.buckets),
-                                       "link_ms": used[s.name][lab["warmup"]:], "link_last": now[s.name]}
+                                       "link_ms": used[s.name][lab["warmup"]:],
+                                       "link_last": now[s.name] if simulate else None}
         finally:
             for s in sessions:
                 s.close()
@@ -226,6 +229,8 @@ def _breakdown(per_rank: list[dict]) -> dict:
         s = {k: statistics.fmean(r[k] for r in recs) for k in PARTS}
         s["step_ms"] = max(r["step_ms"] for r in recs)
         s["link_ms"] = per_rank[0]["link_ms"][i]
+        if s["link_ms"] is None:            # the real link: the report's own ceiling, with comm busy as measured
+            s["link_ms"] = s["comm_busy_ms"]
         s["ceiling_ms"] = s["forward_ms"] + max(s["backward_ms"], s["link_ms"]) + s["optimizer_ms"]
         s["efficiency"] = s["ceiling_ms"] / s["step_ms"]
         steps.append(s)
@@ -237,13 +242,17 @@ def _breakdown(per_rank: list[dict]) -> dict:
 LAST_LAB: dict = {}
 
 
-def run_lab(configs: dict[str, dict], timeout: float = 120.0, lab: dict | None = None, seed: int = 0) -> dict:
+def run_lab(configs: dict[str, dict], timeout: float = 120.0, lab: dict | None = None, seed: int = 0,
+            simulate: bool = True) -> dict:
     """Train the lab model on 2 gloo ranks once per configuration, the runs interleaved step by
     step over one simulated link; return each run's median breakdown and efficiency.
 
     Args:
         configs: ``{name: {"grad_sync": "serial"|"overlap", "bucket_mb": MiB, "prefetch_depth": n}}``.
         timeout: seconds before the ranks are stopped.
+        lab: overrides of `LAB` (``{"data_share": 0.0}``: batches that cost nothing to produce).
+        simulate: False runs gloo over this machine's loopback, unslowed; ``link_ms`` is then the
+            measured comm busy, and ``link`` is None.
 
     Returns:
         ``{"grad_bytes", "calibration", "runs": {name: breakdown}}``; each breakdown has the median
@@ -257,13 +266,14 @@ def run_lab(configs: dict[str, dict], timeout: float = 120.0, lab: dict | None =
     for name, cfg in configs.items():
         validate_config(cfg, name)
     lab = {**LAB, **(lab or {})}
-    per_rank = run_on_ranks(_lab_rank, lab["world_size"], dict(configs), lab, seed, timeout=timeout)
+    per_rank = run_on_ranks(_lab_rank, lab["world_size"], dict(configs), lab, seed, simulate, timeout=timeout)
     r0 = per_rank[0]
     runs = {}
     for name in configs:
         runs[name] = {**_breakdown([r["runs"][name] for r in per_rank]), "buckets": r0["runs"][name]["buckets"],
                       "config": dict(configs[name]), "link": r0["runs"][name]["link_last"]}
-    result = {"grad_bytes": r0["grad_bytes"], "calibration": r0["calibration"], "lab": lab, "runs": runs}
+    result = {"grad_bytes": r0["grad_bytes"], "calibration": r0["calibration"], "lab": lab, "runs": runs,
+              "simulated": simulate}
     LAST_LAB.clear()
     LAST_LAB.update(result)
     return result
@@ -283,7 +293,7 @@ def validate_config(cfg, name: str = "config") -> None:
     mb = cfg["bucket_mb"]
     if mb == "auto":
         raise Wrong("bucket_mb='auto' tunes the cap over its first 20-60 steps, and this run times only "
-                    f"{LAB['steps']}: choose the cap yourself (the planner's table above says which)")
+                    f"{LAB['steps']}: choose the cap yourself (ask your overlap_step_ms which)")
     if isinstance(mb, bool) or not isinstance(mb, (int, float)) or math.isnan(mb) or mb < 0:
         raise Wrong(f"bucket_mb={mb!r}: a cap in MiB >= 0 (0 = one tensor per bucket, float('inf') = one bucket)")
     depth = cfg["prefetch_depth"]
@@ -357,8 +367,16 @@ scaling = Exercise("09.scaling", uses=["ring_allreduce_ms", "predict_step"],
                    title="ring all-reduce and the ceiling from 1 to 1024 devices")
 
 
-@scaling.case("one ring all-reduce: 2(N-1)/N x bytes / bandwidth + 2(N-1) x latency",
-              hint="ms = 2*(N-1)/N * nbytes / (link_gbs * 1e9) * 1e3 + 2*(N-1) * latency_us * 1e-3; 0 for N = 1")
+REVEAL_RING = "ms = 2*(N-1)/N * nbytes / (link_gbs * 1e9) * 1e3 + 2*(N-1) * latency_us * 1e-3; 0 for N = 1"
+REVEAL_STEP = ("comm_busy = sum(ring_allreduce_ms(b, ...) for b in bucket_bytes); serial = forward + backward + "
+               "comm_busy + optimizer; ideal = forward + max(backward, comm_busy) + optimizer")
+RING_CASE = "one ring all-reduce, as the planner prices it"
+
+
+@scaling.case(RING_CASE,
+              hint="two terms: the bytes each device sends over the link's bandwidth, and the latency paid once "
+                   "per ring step; mind the units (GB/s, microseconds, milliseconds); one device sends nothing",
+              reveal=REVEAL_RING)
 def _(learner):
     cases = [(25 * 2**20, n, 25.0, 5.0) for n in (1, 2, 8, 1024)] + [(1e9, 8, 50.0, 0.0), (100 * 2**20, 64, 12.5, 20.0)]
     for nbytes, n, gbs, lat in cases:
@@ -367,13 +385,14 @@ def _(learner):
             raise Wrong(f"ring_allreduce_ms should return a number of milliseconds, got {type(got).__name__}")
         hint = diagnose_ring(float(got), nbytes, n, gbs, lat)
         if hint:
-            raise Wrong(hint)
+            raise Wrong(hint, reveal=REVEAL_RING)
     return "6 sizes and world sizes, as hfstream.tools.plan.allreduce_s"
 
 
 @scaling.case("comm busy, serial step and ceiling of llama-8b for N = 1 .. 1024, as the planner",
-              hint="comm busy = the sum of ring_allreduce_ms over the buckets; serial = forward + backward + "
-                   "comm busy + optimizer; ideal = forward + max(backward, comm busy) + optimizer")
+              hint="every bucket is its own all-reduce, one after another on the link; the serial step waits "
+                   "for all of them after backward; the ceiling is lesson 00's", reveal=REVEAL_STEP,
+              after=RING_CASE)
 def _(learner):
     from hfstream.tools.plan import allreduce_s, predict_row
 
@@ -394,10 +413,10 @@ def _(learner):
             if math.isclose(g["comm_busy_ms"], one, rel_tol=1e-6):
                 raise Wrong(f"you reduced all {total / 2**30:.1f} GiB as one all-reduce: the model travels in "
                             f"{len(sizes)} buckets and each is its own all-reduce, paying its own 2(N-1) "
-                            f"latencies; sum ring_allreduce_ms over bucket_bytes")
+                            f"latencies; sum ring_allreduce_ms over bucket_bytes", reveal=REVEAL_STEP)
             if math.isclose(g["comm_busy_ms"], max(allreduce_s(s, n, cfg.link_gbs, cfg.latency_us) for s in sizes) * 1e3,
                             rel_tol=1e-6):
-                raise Wrong("comm busy is the sum over buckets, not the largest: the link reduces one bucket at a time")
+                raise Wrong("comm busy is the sum over buckets, not the largest: the link reduces one bucket at a time", reveal=REVEAL_STEP)
             raise AssertionError(f"at N={n}: comm_busy_ms {g['comm_busy_ms']:.6g}, the planner says {busy:.6g}")
         if not math.isclose(g["step_serial_ms"], f + b + busy + o, rel_tol=1e-6):
             raise AssertionError(f"at N={n}: step_serial_ms {g['step_serial_ms']:.6g}, expected forward + backward + "
@@ -405,10 +424,10 @@ def _(learner):
         if not math.isclose(g["ideal_ms"], row["ideal_ms"], rel_tol=1e-6):
             if math.isclose(g["ideal_ms"], f + b + o, rel_tol=1e-6):
                 raise Wrong(f"at N={n} comm busy ({busy:.0f} ms) exceeds backward ({b:.0f} ms): the link, not compute, "
-                            f"sets the ceiling there. ideal = forward + max(backward, comm busy) + optimizer")
+                            f"sets the ceiling there", reveal=REVEAL_STEP)
             if math.isclose(g["ideal_ms"], f + b + busy + o, rel_tol=1e-6):
-                raise Wrong("that is the serial step: the ceiling hides communication behind backward, "
-                            "ideal = forward + max(backward, comm busy) + optimizer")
+                raise Wrong("that is the serial step: the ceiling hides communication behind backward",
+                            reveal=REVEAL_STEP)
             raise AssertionError(f"at N={n}: ideal_ms {g['ideal_ms']:.6g}, the planner says {row['ideal_ms']:.6g}")
     row = predict_row(shape, cfg, 1024, buckets)
     return (f"llama-8b at N=1024: comm busy {row['comm_busy_ms']:.0f} ms > backward {row['backward_ms']:.0f} ms, "
@@ -431,9 +450,17 @@ crossover = Exercise("09.crossover", uses=["crossover_world_size", "min_link_gbs
                      title="where overlap stops hiding communication")
 
 
+REVEAL_CROSSOVER = ("if busy(max_world_size) <= backward: return None; lo, hi = 1, max_world_size; "
+                    "while hi - lo > 1: mid = (lo + hi) // 2; lo, hi = (mid, hi) if busy(mid) <= backward "
+                    "else (lo, mid); return hi")
+REVEAL_MIN_LINK = ("B = 2(N-1)/N x total bytes / (backward - 2(N-1) x latency x buckets), in GB/s; "
+                   "math.inf when the latency terms alone exceed backward; 0 for N = 1")
+
+
 @crossover.case("the first N whose comm busy exceeds backward, as hfstream.tools.plan.overlap_limit",
-                hint="comm busy grows with N: bisect over the integers for the first N with comm busy > backward; "
-                     "return None when even a huge N stays within backward", timeout=30.0)
+                hint="comm busy grows with N, so the answer is where a yes/no question flips: search for it "
+                     "without walking every N; return None when even the largest N stays within backward",
+                reveal=REVEAL_CROSSOVER, timeout=30.0)
 def _(learner):
     from hfstream.tools.plan import overlap_limit, predict_row
 
@@ -450,25 +477,25 @@ def _(learner):
         if want is None:
             raise Wrong(f"{label}: without latency, comm busy only approaches 2 x bytes / bandwidth = "
                         f"{2 * sum(sizes) / (cfg.link_gbs * 1e9) * 1e3:.0f} ms as N grows, below backward "
-                        f"({bwd:.0f} ms): no N crosses, return None (you returned {got})")
+                        f"({bwd:.0f} ms): no N crosses, return None (you returned {got})", reveal=REVEAL_CROSSOVER)
         if got is None:
             raise Wrong(f"{label}: you returned None, but the latency terms grow without bound, 2(N-1) x latency "
                         f"per bucket, {len(sizes)} buckets: the planner finds N = {want}. Search up to "
-                        f"max_world_size, not just while the bandwidth term grows")
+                        f"max_world_size, not just while the bandwidth term grows", reveal=REVEAL_CROSSOVER)
         if got == want - 1:
             raise Wrong(f"{label}: you returned {got}, the last N where overlap is still complete; the question is "
-                        f"the first N where comm busy > backward ({want})")
+                        f"the first N where comm busy > backward ({want})", reveal=REVEAL_CROSSOVER)
         if got > want and got & (got - 1) == 0:
             raise Wrong(f"{label}: you returned {got}, a power of two; the crossover is N = {want}. Comm busy grows "
-                        f"monotonically in N, so bisect over every integer")
+                        f"monotonically in N, so bisect over every integer", reveal=REVEAL_CROSSOVER)
         raise AssertionError(f"{label}: crossover_world_size returned {got}, the planner says {want}")
     return "; ".join(answers)
 
 
 @crossover.case("the slowest link that keeps comm busy within backward",
-                hint="solve sum over buckets of 2(N-1)/N b / B + 2(N-1) latency = backward for B: "
-                     "B = 2(N-1)/N x total bytes / (backward - 2(N-1) x latency x buckets); math.inf when the "
-                     "latency terms alone exceed backward")
+                hint="write comm busy at N as a function of the bandwidth and solve comm busy = backward for it; "
+                     "the latency terms do not depend on the bandwidth",
+                reveal=REVEAL_MIN_LINK)
 def _(learner):
     import dataclasses
 
@@ -479,7 +506,8 @@ def _(learner):
     bwd = predict_row(shape, cfg, 2, buckets)["backward_ms"]
     got1 = learner.min_link_gbs(1, bwd, list(sizes), cfg.latency_us)
     if got1 != 0:
-        raise Wrong(f"one device needs no link at all: return 0 for world_size 1 (you returned {got1})")
+        raise Wrong(f"one device needs no link at all: return 0 for world_size 1 (you returned {got1})",
+                    reveal=REVEAL_MIN_LINK)
     details = []
     for n in (8, 64, 512):
         got = learner.min_link_gbs(n, bwd, list(sizes), cfg.latency_us)
@@ -489,12 +517,14 @@ def _(learner):
                 details.append(f"N={n}: none")
                 continue
             raise Wrong(f"at N={n} the latency terms alone take {lat_ms:.0f} ms, more than backward ({bwd:.0f} ms): "
-                        f"no bandwidth is enough, return math.inf (you returned {got})")
+                        f"no bandwidth is enough, return math.inf (you returned {got})", reveal=REVEAL_MIN_LINK)
         if not isinstance(got, (int, float)) or not got > 0:
-            raise Wrong(f"min_link_gbs should return a bandwidth > 0 in GB/s, got {got!r} at N={n}")
+            raise Wrong(f"min_link_gbs should return a bandwidth > 0 in GB/s, got {got!r} at N={n}",
+                        reveal=REVEAL_MIN_LINK)
         if math.isinf(got):
             raise Wrong(f"at N={n} the latency terms take {lat_ms:.0f} ms of backward's {bwd:.0f} ms: a finite "
-                        f"bandwidth fits the rest; return math.inf only when the latency alone exceeds backward")
+                        f"bandwidth fits the rest; return math.inf only when the latency alone exceeds backward",
+                        reveal=REVEAL_MIN_LINK)
         fast = predict_row(shape, dataclasses.replace(cfg, link_gbs=got * 1.001), n, buckets)
         slow = predict_row(shape, dataclasses.replace(cfg, link_gbs=got * 0.999), n, buckets)
         if fast["overlap_complete"] and not slow["overlap_complete"]:
@@ -505,9 +535,10 @@ def _(learner):
         if math.isclose(got, no_lat, rel_tol=1e-3):
             raise Wrong(f"at N={n} you left out the latency: {len(sizes)} buckets x 2(N-1) steps x "
                         f"{cfg.latency_us:g} us = {lat_ms:.0f} ms of backward are spent waiting, so the bandwidth "
-                        f"term must fit in what is left")
+                        f"term must fit in what is left", reveal=REVEAL_MIN_LINK)
         if math.isclose(got, sum(sizes) / ((bwd - lat_ms) / 1e3) / 1e9, rel_tol=1e-3):
-            raise Wrong("each byte crosses the link 2(N-1)/N times in a ring all-reduce: multiply the bytes by it")
+            raise Wrong("each byte crosses the link 2(N-1)/N times in a ring all-reduce: multiply the bytes by it",
+                        reveal=REVEAL_MIN_LINK)
         raise AssertionError(f"at N={n}: with {got:.4g} GB/s the planner says comm busy "
                              f"{fast['comm_busy_ms']:.0f} ms vs backward {bwd:.0f} ms "
                              f"({'fits' if fast['overlap_complete'] else 'does not fit'}); it should just fit")
@@ -518,15 +549,102 @@ def _(learner):
 # 09.final_challenge: a real run, graded on its measured efficiency
 # =============================================================================================
 
-THRESHOLD = 0.72       # see the lesson's table of measured efficiencies
+# THRESHOLD lies between what the author measured for the serial and one-bucket runs and for
+# overlap with a few buckets and prefetching, on the course's shared 2-core VM (2026-12, load
+# average 3 to 5; each row the median of 20 steps, the range over 6 interleaved runs):
+#
+#   naive: serial, 25 MiB, no prefetch                      0.45 - 0.49
+#   serial, prefetch 2                                      0.61 - 0.69
+#   overlap at 25 MiB (one bucket), prefetch 2              0.62 - 0.68
+#   overlap, one tensor per bucket (16 buckets), prefetch 2 0.64 - 0.66
+#   overlap at 1/16 MiB (8 buckets), prefetch 2             0.74 - 0.79
+#   overlap at 1/8 MiB (4 buckets), prefetch 2              0.75 - 0.80
+#   overlap at 3/16 MiB (3 buckets), prefetch 2             0.71 - 0.79
+#   overlap at 1/4 MiB (2 buckets), prefetch 2              0.71 - 0.79
+#   overlap at 1/8 MiB (4 buckets), no prefetch             0.52 - 0.57
+#
+# Under heavier load (load average 8 to 11) every row dropped by up to 0.05, which the second
+# measurement (RETRY_BAND) absorbs. The lesson measures its own sweep after the check.
+THRESHOLD = 0.72
 RETRY_BAND = 0.08      # a result this close below the threshold is measured once more, the steps pooled
 LAST_CHALLENGE: dict = {}   # the graded run (breakdown, config, graded efficiency), for the lesson's figure
 
 
-challenge = Exercise("09.final_challenge", uses=["final_run_config"], title="a real run close to its ceiling")
+challenge = Exercise("09.final_challenge", uses=["overlap_step_ms", "final_run_config"],
+                     title="plan the lab's buckets, then get a real run close to its ceiling")
+
+REVEAL_SCHEDULE = ("end = 0.0; for nbytes, ready in buckets: end = max(ready * backward_ms, end) + "
+                   "ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us); "
+                   "return forward_ms + max(backward_ms, end) + optimizer_ms")
 
 
-@challenge.case("the configuration is one the lab can run",
+def _schedule_cases():
+    """(label, buckets, forward, backward, optimizer, N, link GB/s, latency us) and the planner's step."""
+    import dataclasses
+
+    from hfstream.tools.plan import ModelShape, PlanConfig, predict_buckets, predict_row
+
+    out = []
+    for model, over, n in (("llama-8b", {}, 8), ("llama-8b", {"bucket_mb": 100.0}, 64),
+                           ("llama-1b", {"link_gbs": 100.0, "bucket_mb": 4.0}, 16),
+                           ("llama-8b", {"link_gbs": 400.0}, 2), ("llama-8b", {}, 1)):
+        shape, cfg, buckets = _plan_case(model, **over)
+        row = predict_row(shape, cfg, n, buckets)
+        out.append((f"{model}, N={n}, {cfg.bucket_mb:g} MiB buckets, {cfg.link_gbs:g} GB/s", buckets, row, n, cfg))
+    # The lab's own shape: 16 tensors, cut at a few caps, on a slow link.
+    lab_shape = ModelShape("lab MLP", sum(c for _, c in lab_tensors()),
+                           tuple((name, c, "dense") for name, c in lab_tensors()))
+    cfg = PlanConfig(tokens_per_device=LAB["batch"], link_gbs=0.012, latency_us=1500.0, compute_tflops=0.02,
+                     mem_bandwidth_gbs=5.0, world_sizes=(2,))
+    for cap in (0.0, 0.125, 0.25):
+        c = dataclasses.replace(cfg, bucket_mb=cap)
+        buckets = predict_buckets(lab_shape, 4, cap)
+        out.append((f"the lab MLP at {cap:g} MiB, N=2", buckets, predict_row(lab_shape, c, 2, buckets), 2, c))
+    return out
+
+
+@challenge.case("your overlapped step matches the planner's schedule",
+                hint="replay backward on a clock: a bucket can start once backward has produced its last gradient "
+                     "and the link has finished the previous bucket; the optimizer waits for backward and for "
+                     "the last reduction", reveal=REVEAL_SCHEDULE)
+def _(learner):
+    from hfstream.tools.plan import allreduce_s
+
+    cases = _schedule_cases()
+    for label, buckets, row, n, cfg in cases:
+        f, b, o = row["forward_ms"], row["backward_ms"], row["optimizer_ms"]
+        try:
+            got = learner.overlap_step_ms(list(buckets), f, b, o, n, cfg.link_gbs, cfg.latency_us)
+        except Exception as e:
+            raise Wrong(f"overlap_step_ms raised {type(e).__name__}: {e} ({label}); it takes buckets as a list of "
+                        f"(bytes, ready) pairs, ready = the fraction of backward done when the bucket is complete")
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            raise Wrong(f"overlap_step_ms should return the step in ms, got {got!r} ({label})")
+        want = row["step_overlap_ms"]
+        if math.isclose(got, want, rel_tol=1e-6):
+            continue
+        times = [allreduce_s(nb, n, cfg.link_gbs, cfg.latency_us) * 1e3 for nb, _ in buckets]
+        busy = sum(times)
+        each_at_ready = max([ready * b + t for (_, ready), t in zip(buckets, times)] + [0.0])
+        head = f"{label}: you predicted {got:.6g} ms, the planner {want:.6g} ms. "
+        if math.isclose(got, f + b + busy + o, rel_tol=1e-6):
+            raise Wrong(head + "That is the serial step: with overlap a bucket's reduction starts during backward, "
+                        "as soon as the bucket is complete", reveal=REVEAL_SCHEDULE)
+        if math.isclose(got, f + max(b, busy) + o, rel_tol=1e-6):
+            raise Wrong(head + "That is the ceiling, as if every bucket could start when backward starts; a bucket "
+                        "starts only once backward has produced its last gradient (its ready fraction)",
+                        reveal=REVEAL_SCHEDULE)
+        if math.isclose(got, f + max(b, each_at_ready) + o, rel_tol=1e-6):
+            raise Wrong(head + "You started every bucket at its ready time, but the link reduces one bucket at a "
+                        "time: a bucket also waits for the previous one to finish", reveal=REVEAL_SCHEDULE)
+        raise AssertionError(head.rstrip(". "))
+    return f"{len(cases)} schedules, as hfstream.tools.plan.predict_row"
+
+
+CONFIG_CASE = "the configuration is one the lab can run"
+
+
+@challenge.case(CONFIG_CASE,
                 hint="return a dict with grad_sync ('serial' or 'overlap'), bucket_mb (MiB) and prefetch_depth (int)")
 def _(learner):
     cfg = learner.final_run_config()
@@ -547,8 +665,8 @@ def diagnose_run(run: dict, grad_bytes: int) -> str | None:
                 f"of communication add to the step. 'overlap' launches each bucket during backward (lesson 05)")
     if run["buckets"] == 1:
         return (head + f"bucket_mb={cfg['bucket_mb']:g} puts all {grad_bytes / 2**20:.2f} MiB of gradients in one bucket, "
-                f"which is complete only when backward ends: nothing overlaps. Choose a cap smaller than the model, "
-                f"the planner's table says which (lesson 06)")
+                f"which is complete only when backward ends: nothing overlaps. Choose a cap smaller than the model: "
+                f"ask your overlap_step_ms which (lesson 06)")
     if run["comm_busy_ms"] > 1.35 * run["link_ms"]:
         return (head + f"{run['buckets']} buckets keep the link busy {run['comm_busy_ms']:.0f} ms where one all-reduce of "
                 f"every gradient needs {run['link_ms']:.0f} ms: each bucket pays the latency again (and costs this CPU "
@@ -569,8 +687,8 @@ def _measure(cfg: dict, seed: int = 0) -> dict:
 
 
 @challenge.case(f"measured on 2 ranks over the slow link: ceiling / step >= {THRESHOLD:.2f}",
-                hint="overlap, a bucket cap that cuts the model into a few buckets (the planner's table), and "
-                     "prefetching", timeout=200.0)
+                hint="every part of the step the lab times must be as short as it can be: ask your planner which "
+                     "cap, and remember what lessons 03 and 05 hid", after=CONFIG_CASE, timeout=200.0)
 def _(learner):
     cfg = learner.final_run_config()
     validate_config(cfg, "final_run_config()")

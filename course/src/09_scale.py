@@ -1,11 +1,12 @@
 # %% [markdown]
 # # Lesson 09 — The ceiling at scale
 #
-# **Time:** 45 minutes. **Runs on:** any laptop (CPU; the lab at the end runs 2 gloo processes for
-# about 10 seconds at a time). **You will:** predict communication, step time and the ceiling from
+# **Time:** 60 minutes. **Runs on:** any laptop (CPU; the lab at the end runs 2 gloo processes,
+# 10 to 40 seconds at a time). **You will:** predict communication, step time and the ceiling from
 # 8 to 1024 devices with the planner (`hfstream plan`), write the ring all-reduce cost with its
 # latency terms, find the world size from which overlap can no longer hide communication, and
-# finish with a real 2-rank run over a slow link that you configure to get close to its ceiling.
+# finish with a real 2-rank run over a simulated slow link, its buckets chosen by a planner of the
+# overlapped schedule that you write, graded on how close it gets to its ceiling.
 #
 # ## From two ranks to a thousand
 #
@@ -58,11 +59,14 @@ for n in (2, 8, 64, 256, 1024):
     bw_ms = allreduce_s(bucket, n, 25.0, 0.0) * 1e3
     total = allreduce_s(bucket, n, 25.0, 5.0) * 1e3
     print(f"{n:>5} {ring_factor(n):>9.3f} {bw_ms:>13.3f} {total - bw_ms:>11.3f} {total:>14.3f}")
+print(f"at N = 1024 the latency terms of one 25 MiB all-reduce take {total - bw_ms:.1f} ms, "
+      f"{(total - bw_ms) / bw_ms:.1f} x its bandwidth term")
 
 # %% [markdown]
-# At N = 1024 the latency of one 25 MiB all-reduce (10 ms) is five times its bandwidth term. That is
-# why collective libraries switch to tree and hierarchical algorithms at scale (NCCL picks between
-# ring and tree per message size), and why bucket size matters more, not less, on many devices.
+# At N = 1024 the latency terms outweigh the bandwidth term (the cell's last line says by how
+# much). That is why collective libraries switch to tree and hierarchical algorithms at scale
+# (NCCL picks between ring and tree per message size), and why bucket size matters more, not
+# less, on many devices.
 #
 # ## The planner
 #
@@ -88,11 +92,25 @@ for n in (2, 8, 64, 256, 1024):
 hfstream_plan(["--model", "llama-8b", "--world-sizes", "1,8,64,512,1024"])
 
 # %% [markdown]
-# Read it row by row. Compute stays put (985 ms forward, 1970 ms backward on an A100 at 40 % MFU
-# with 8192 tokens per device). Comm busy passes backward already at N = 5: from there on the
-# ceiling is `forward + comm busy + optimizer`, it rises with N, and the serial step is 1.35 to 1.6
-# times the ceiling. With overlap the step stays within a few percent of the ceiling, because
-# only the tail of the communication is exposed; but the ceiling itself keeps climbing.
+# Read it row by row; the next cell picks out, from the same plan, the numbers this paragraph
+# talks about. Compute stays put as N grows (weak scaling). Comm busy passes backward at a small
+# N already: from there on the ceiling is `forward + comm busy + optimizer`, it rises with N, and
+# the serial step is far above it. With overlap the step stays within a few percent of the
+# ceiling, because only the tail of the communication is exposed; but the ceiling itself keeps
+# climbing.
+
+# %%
+_doc = plan(load_model("llama-8b"), PlanConfig(world_sizes=(1, 8, 64, 512, 1024)))
+_rows = _doc["rows"]
+_serial = [r["step_serial_ms"] / r["ideal_ms"] for r in _rows[1:]]
+_over = [r["step_overlap_ms"] / r["ideal_ms"] - 1 for r in _rows[1:]]
+print(f"compute per device and step: forward {_rows[0]['forward_ms']:.0f} ms, backward {_rows[0]['backward_ms']:.0f} ms "
+      f"(A100 at {PlanConfig().mfu:.0%} MFU, {PlanConfig().tokens_per_device} tokens per device)")
+print(f"comm busy exceeds backward from N = {_doc['overlap_incomplete_from']}")
+print(f"N = 8 .. 1024: serial step / ceiling {min(_serial):.2f} to {max(_serial):.2f}; "
+      f"overlapped step {min(_over):.1%} to {max(_over):.1%} above the ceiling")
+
+# %% [markdown]
 #
 # In Python the same numbers come from `plan(shape, cfg)` (the whole table as a dict),
 # `predict_row(shape, cfg, N)` (one world size) and `overlap_limit(shape, cfg)` (the crossover):
@@ -119,7 +137,8 @@ print("comm busy exceeds backward from N =", overlap_limit(shape, cfg, buckets))
 #   is its own all-reduce, one after another), `step_serial_ms` (no overlap) and `ideal_ms` (the
 #   ceiling).
 #
-# The check compares you with `hfstream.tools.plan` for llama-8b's 194 buckets at N = 1, 2, 8, 64, 1024.
+# The check compares you with `hfstream.tools.plan` for llama-8b's buckets (their count is printed
+# above) at N = 1, 2, 8, 64, 1024.
 
 # %%
 def ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us):
@@ -210,7 +229,7 @@ check("09.crossover")
 # ## The ceiling rises: four ways to push the crossover out
 #
 # The planner makes the levers concrete. For llama-8b on the default A100 cluster the crossover is
-# N = 5. Each lever below changes one input and asks `overlap_limit` again:
+# the N printed above. Each lever below changes one input and asks `overlap_limit` again:
 #
 # | lever | in hfstream / Hugging Face | what it changes |
 # |---|---|---|
@@ -230,31 +249,72 @@ for name, c in levers.items():
     print(f"{name:<50} crossover N = {overlap_limit(shape, c)!s:>5} | at N=1024: comm {r1024['comm_busy_ms']:6.0f} ms, "
           f"backward {r1024['backward_ms']:6.0f} ms, step/compute {r1024['step_overlap_ms'] / predict_row(shape, c, 1)['step_overlap_ms']:.2f}")
 
+# %%
+_limit = overlap_limit(shape, cfg)
+_grad_gib = shape.params * cfg.grad_bytes / 2**30
+_big = dataclasses.replace(cfg, bucket_mb=100.0)
+_saved = (predict_row(shape, cfg, 1024)["comm_busy_ms"] - predict_row(shape, _big, 1024)["comm_busy_ms"])
+print(f"at the crossover (N = {_limit}) the bandwidth term alone needs "
+      f"{ring_factor(_limit) * shape.params * cfg.grad_bytes / (cfg.link_gbs * 1e9) * 1e3:.0f} ms for "
+      f"{_grad_gib:.1f} GiB of gradients over {cfg.link_gbs:g} GB/s; backward is "
+      f"{predict_row(shape, cfg, _limit)['backward_ms']:.0f} ms")
+print(f"100 MiB instead of 25 MiB buckets save {_saved:.0f} ms of latency at N = 1024")
+
 # %% [markdown]
-# Larger buckets do not move the crossover here: llama-8b at N = 5 is *bandwidth*-bound (30 GiB of
-# gradients over 25 GB/s), and fewer latencies cannot fix a bandwidth problem (they do save 650 ms
-# of latency at N = 1024). Halving the bytes or doubling the link does; so does giving backward
-# more work per all-reduce. Which lever is yours to pull depends on what the planner says
-# dominates: read the bandwidth and latency parts before tuning.
+# Larger buckets do not move the crossover here: past it llama-8b is *bandwidth*-bound (the cell
+# above prints the bandwidth term against backward), and fewer latencies cannot fix a bandwidth
+# problem, though they do save latency at N = 1024. Halving the bytes or doubling the link does;
+# so does giving backward more work per all-reduce. Which lever is yours to pull depends on what
+# the planner says dominates: read the bandwidth and latency parts before tuning.
 #
 # ## The final challenge: a real run, graded against its ceiling
 #
 # Now measure. The **lab** trains a small MLP (8 layers of 128 x 128: 16 tensors, 0.5 MiB of fp32
 # gradients) on **2 gloo ranks** of this machine, with the building blocks of lessons 03-06:
 # `StreamPrefetcher` over a data source that takes a while per batch, `GradSync` for the
-# gradients, and the step report (`hfstream.timeline.StepTimeline`) measuring every part. The
-# ranks talk through `hfstream.tools.bench.link.SimulatedLink`: each all-reduce completes no earlier than
-# latency + 2(N-1)/N x bytes / rate after its launch, one at a time, without blocking compute.
+# gradients, and the step report (`hfstream.timeline.StepTimeline`) measuring every part.
 #
-# So that the lab is in the same regime on a fast laptop and a loaded shared box, the link and the
-# data follow the machine: before each step, the link is set so that all gradients in one
-# all-reduce take **1.2 x backward** (0.05 x backward of it latency, per all-reduce), and a batch
-# takes **0.6 x (forward + backward)** to produce (both from the run's last three steps). The lab
-# therefore sits *past the crossover*, communication-bound, like llama-8b beyond N = 5: its ceiling
-# is `forward + link + optimizer`, and the link's time is the floor no configuration can beat.
-# What overlap can still do there is start the link early in backward and keep it busy to the end;
-# a serial step leaves the link idle for the whole backward and the CPU idle for the whole
-# reduction.
+# ### First, the real thing: nothing simulated
+#
+# Two settings of the lab over this machine's own loopback: real gloo all-reduces, batches that
+# cost nothing to produce, 10 steps each. This is the one measurement of the lesson in which nothing is
+# simulated; see what communication costs here.
+
+# %%
+from course.checks.lesson09 import run_lab, LAB, lab_tensors, NAIVE
+
+real = run_lab({"real loopback: serial, one bucket": {"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 0},
+                "real loopback: overlap, 1/8 MiB": {"grad_sync": "overlap", "bucket_mb": 0.125, "prefetch_depth": 0}},
+               simulate=False, lab={"data_share": 0.0, "steps": 10})
+for name, r in real["runs"].items():
+    print(f"{name:<36} backward {r['backward_ms']:6.1f} ms, comm busy {r['comm_busy_ms']:5.1f} ms, exposed "
+          f"{r['exposed_comm_ms']:5.1f} ms, step {r['step_ms']:6.1f} ms, ceiling / step {r['efficiency']:.2f}")
+_r = real["runs"]["real loopback: serial, one bucket"]
+print(f"on this machine's loopback, reducing all {real['grad_bytes'] / 2**20:.2f} MiB of gradients keeps the link busy "
+      f"{_r['comm_busy_ms']:.1f} ms, {_r['comm_busy_ms'] / _r['backward_ms']:.0%} of backward")
+
+# %% [markdown]
+# On one machine the loopback moves gigabytes per second, so communication is a small share of
+# backward (the last line above) and there is little to hide: the regime of a small model on a
+# fast interconnect, *before* the crossover. Real clusters at scale sit past it, as the planner
+# showed for llama-8b. To study that regime on a laptop, the rest of the lab slows the link down.
+#
+# ### A simulated slow link
+#
+# From here on the ranks talk through `hfstream.tools.bench.link.SimulatedLink`: the real gloo
+# all-reduce runs, and its completion is delayed until latency + 2(N-1)/N x bytes / rate after its
+# launch, one all-reduce at a time on the link, without blocking compute. So that the lab is in
+# the same regime on a fast laptop and a loaded shared box, the link and the data follow the
+# machine: before each step the link is set so that all gradients in one all-reduce take
+# **1.2 x backward** (0.05 x backward of it latency, per all-reduce), and a batch takes
+# **0.6 x (forward + backward)** to produce (a sleep, from the run's last three steps). The lab
+# therefore sits *past the crossover*, communication-bound: its ceiling is
+# `forward + link + optimizer`, and the link's time is the floor no configuration can beat.
+#
+# What the simulation leaves out: a real link's speed does not follow your backward; it has no
+# congestion from other jobs, no jitter, no retransmits; and moving the bytes costs no CPU or
+# memory bandwidth beyond gloo's loopback copy. Its results are about *scheduling* (when buckets
+# start, what waits for what), not about any real network.
 #
 # Each run is graded on
 #
@@ -266,124 +326,179 @@ for name, c in levers.items():
 # any bucketing can need. Otherwise splitting the model into many buckets (each paying the latency
 # again) would raise your own ceiling and flatter your efficiency.
 #
-# First, three settings side by side, interleaved step by step on the same link:
+# Three settings side by side, interleaved step by step on the same simulated link:
 
 # %%
-from course.checks.lesson09 import run_lab, LAB, lab_tensors, NAIVE
-
 explore = run_lab({"naive: serial, no prefetch": NAIVE,
                    "serial + prefetch 2": {"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 2},
                    "overlap @ 25 MiB + prefetch 2": {"grad_sync": "overlap", "bucket_mb": 25.0, "prefetch_depth": 2}})
-print(f"{'run':<31}{'buckets':>8}{'data':>7}{'fwd':>6}{'bwd':>6}{'link':>6}{'busy':>6}{'exposed':>8}{'opt':>5}"
-      f"{'step':>7}{'ceiling':>8}{'efficiency':>11}")
-for name, r in explore["runs"].items():
-    print(f"{name:<31}{r['buckets']:>8}{r['data_wait_ms']:>7.1f}{r['forward_ms']:>6.1f}{r['backward_ms']:>6.1f}"
-          f"{r['link_ms']:>6.1f}{r['comm_busy_ms']:>6.1f}{r['exposed_comm_ms']:>8.1f}{r['optimizer_ms']:>5.1f}"
-          f"{r['step_ms']:>7.1f}{r['ceiling_ms']:>8.1f}{r['efficiency']:>11.2f}")
+
+
+def print_runs(runs):
+    print(f"{'run':<36}{'buckets':>8}{'data':>7}{'fwd':>6}{'bwd':>6}{'link':>6}{'busy':>6}{'exposed':>8}{'opt':>5}"
+          f"{'step':>7}{'ceiling':>8}{'efficiency':>11}")
+    for name, r in runs.items():
+        print(f"{name:<36}{r['buckets']:>8}{r['data_wait_ms']:>7.1f}{r['forward_ms']:>6.1f}{r['backward_ms']:>6.1f}"
+              f"{r['link_ms']:>6.1f}{r['comm_busy_ms']:>6.1f}{r['exposed_comm_ms']:>8.1f}{r['optimizer_ms']:>5.1f}"
+              f"{r['step_ms']:>7.1f}{r['ceiling_ms']:>8.1f}{r['efficiency']:>11.2f}")
+
+
+print_runs(explore["runs"])
 
 # %% [markdown]
-# Prefetching removes the data wait. Overlap at the default 25 MiB cap changes nothing: the whole
+# Prefetching removes the data wait. Overlap at the default 25 MiB cap changes little: the whole
 # model is 0.5 MiB, so it travels in *one* bucket, which is complete only when backward ends,
 # exactly like serial. The cap has to cut this model into several buckets: the smaller the first
 # one, the earlier the link starts; but every bucket pays the latency again, and on a
-# communication-bound step every latency adds straight to the step. The planner, calibrated to
-# the measured run, prices each cap. Calibrating means choosing the FLOP/s that reproduce the
-# measured backward and the memory bandwidth that reproduces the measured optimizer step (what
-# `hfstream plan --compare bench.json` does with a benchmark); the link is the lab's, its
-# per-all-reduce latency spread over the 2(N-1) = 2 ring steps of two ranks.
+# communication-bound step every latency adds straight to the step. Which cap is best is a
+# question for a planner, and this time the planner is yours.
+#
+# Its inputs come from the measured run: the lab's parts (forward, backward, optimizer of the
+# serial + prefetch run), its link at the end of that run (the per-all-reduce latency spread over
+# the 2(N-1) = 2 ring steps of two ranks, so that your `ring_allreduce_ms` prices it), and the
+# buckets each cap makes, `lab_buckets(cap)`: `[(bytes, ready), ...]` in launch order, `ready`
+# being the fraction of backward done when the bucket's last gradient exists (the cut GradSync
+# makes, from `hfstream.tools.plan.predict_buckets`).
 
 # %%
 ref = explore["runs"]["serial + prefetch 2"]
 lab_shape = ModelShape("lab MLP", sum(n for _, n in lab_tensors()),
                        tuple((name, n, "dense") for name, n in lab_tensors()))
-lab_cfg = PlanConfig(tokens_per_device=LAB["batch"], link_gbs=ref["link"]["rate_mbit"] / 8000,
-                     latency_us=ref["link"]["latency_ms"] * 1e3 / 2, world_sizes=(2,))
-lab_cfg.compute_tflops = calibrated_tflops(lab_shape, lab_cfg, ref["backward_ms"])
-lab_cfg.mem_bandwidth_gbs = calibrated_mem_bandwidth_gbs(lab_shape, lab_cfg, ref["optimizer_ms"])
+lab_parts = {"forward_ms": ref["forward_ms"], "backward_ms": ref["backward_ms"], "optimizer_ms": ref["optimizer_ms"]}
+lab_link_gbs = ref["link"]["rate_mbit"] / 8000
+lab_latency_us = ref["link"]["latency_ms"] * 1e3 / 2
 
 
-def predict_lab(config, world_size=2):
-    """The planner's step / ceiling for one lab configuration (data hidden when prefetching)."""
-    c = dataclasses.replace(lab_cfg, bucket_mb=config["bucket_mb"])
-    row = predict_row(lab_shape, c, world_size)
-    ceiling = predict_row(lab_shape, dataclasses.replace(lab_cfg, bucket_mb=math.inf), world_size)["ideal_ms"]
-    step = row["step_overlap_ms"] if config["grad_sync"] == "overlap" else row["step_serial_ms"]
-    if config["prefetch_depth"] == 0:
-        step += ref["link"]["data_ms"]
-    return step / ceiling, len(predict_buckets(lab_shape, 4, config["bucket_mb"])), row
+def lab_buckets(cap):
+    """The lab model's buckets at `cap` MiB: [(bytes, ready fraction of backward), ...] in launch order."""
+    return predict_buckets(lab_shape, 4, cap)
 
 
-print(f"{'bucket_mb':>10}{'buckets':>8}{'comm busy':>10}{'exposed':>9}{'pred. step/ceiling':>19}")
-candidates = {}
-for cap in (0, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, 25.0):
-    ratio, nb, row = predict_lab({"grad_sync": "overlap", "bucket_mb": cap, "prefetch_depth": 2})
-    candidates[cap] = ratio
-    print(f"{cap:>10.4g}{nb:>8}{row['comm_busy_ms']:>10.1f}{row['exposed_overlap_ms']:>9.1f}{ratio:>19.2f}")
-planner_best_mb = min(candidates, key=candidates.get)
-print(f"the planner's choice: bucket_mb = {planner_best_mb:g}")
+print({k: round(v, 1) for k, v in lab_parts.items()}, f"link {lab_link_gbs * 1e3:.1f} MB/s, {lab_latency_us:.0f} us per ring step")
+for cap in (0, 1 / 8, 25.0):
+    print(f"lab_buckets({cap:g}): {len(lab_buckets(cap))} buckets, the first ready at "
+          f"{lab_buckets(cap)[0][1]:.0%} of backward")
 
 # %% [markdown]
-# ## Exercise 09.final_challenge — get a real run close to its ceiling
+# ## Exercise 09.final_challenge — plan the buckets, then get a real run close to its ceiling
 #
-# `final_run_config()` returns the settings of your run: `grad_sync` (`"serial"` or `"overlap"`),
-# `bucket_mb` (MiB; 0 = one tensor per bucket, `float("inf")` = one bucket) and `prefetch_depth`
-# (0 = none). The check runs the lab with them on 2 ranks and passes when the measured
-# **efficiency = ceiling / step is at least 0.72**; its detail line prints what it measured. A
-# result just below the line (within 0.08) is measured once more, and the median over the steps of
-# both runs counts.
+# Two functions:
 #
-# What the author measured on the course's shared 2-core machine (each row: the median of 20 steps,
-# the range over 6 runs interleaved with each other, at load averages of 3 to 5, i.e. with other
-# jobs running):
+# - `overlap_step_ms(buckets, forward_ms, backward_ms, optimizer_ms, world_size, link_gbs, latency_us)`:
+#   the step with overlap, as the planner schedules it. Backward produces the buckets in the
+#   order given; a bucket's all-reduce can start once backward has produced its last gradient
+#   (its `ready` fraction of backward) *and* the link has finished the previous bucket; the link
+#   reduces one bucket at a time, each priced by your `ring_allreduce_ms`; the optimizer starts
+#   when backward has ended and the last reduction is done. The check compares it with
+#   `hfstream.tools.plan.predict_row` on llama-8b, llama-1b and the lab model.
+# - `final_run_config()`: the settings of your graded run, `grad_sync` (`"serial"` or
+#   `"overlap"`), `bucket_mb` (MiB; 0 = one tensor per bucket, `float("inf")` = one bucket) and
+#   `prefetch_depth` (0 = none). Choose the cap with your planner on the lab's inputs above;
+#   which caps are worth asking about is for you to find out.
 #
-# | setting | efficiency |
-# |---|---|
-# | naive: serial, 25 MiB, no prefetch | 0.45 - 0.49 |
-# | serial, prefetch 2 | 0.61 - 0.69 |
-# | overlap at 25 MiB (one bucket), prefetch 2 | 0.62 - 0.68 |
-# | overlap, one tensor per bucket (16 buckets), prefetch 2 | 0.64 - 0.66 |
-# | overlap at 1/16 MiB (8 buckets), prefetch 2 | 0.74 - 0.79 |
-# | overlap at 1/8 MiB (4 buckets), prefetch 2 | 0.75 - 0.80 |
-# | overlap at 3/16 MiB (3 buckets), prefetch 2 | 0.71 - 0.79 |
-# | overlap at 1/4 MiB (2 buckets), prefetch 2 | 0.71 - 0.79 |
-# | overlap at 1/8 MiB (4 buckets), no prefetch | 0.52 - 0.57 |
-#
-# The line at 0.72 sits between the best serial or one-bucket run (0.69) and the worst run of the
-# planner's choice (0.75); under heavier load (load average 8 to 11) every row drops by up to 0.05,
-# which the second measurement absorbs. The planner predicts a little more than the lab measures
-# (about 0.84 for 4 buckets): it does not know that on a CPU gloo's threads take compute time from
-# backward while they reduce, with the lab's 2 ranks sharing 2 cores. On a GPU, NCCL reduces on the
-# device and the host only launches, and the planner comes closer.
+# The check runs the lab with your settings on 2 ranks and passes when the measured
+# **efficiency = ceiling / step is at least** the pass line printed below; its detail line prints
+# what it measured. A result just below the line (within 0.08) is measured once more, and the
+# median over the steps of both runs counts. Your planner knows nothing of this CPU's contention
+# (gloo's threads and the ranks share two cores), so the measured efficiency lands below what it
+# predicts; the pass line leaves room for that.
 
 # %%
+from course.checks.lesson09 import THRESHOLD
+print(f"pass line: ceiling / step >= {THRESHOLD:.2f}")
+
+
+def overlap_step_ms(buckets, forward_ms, backward_ms, optimizer_ms, world_size, link_gbs, latency_us):
+    """The overlapped step (ms): buckets reduced one at a time, each from when it is ready."""
+    # BEGIN SOLUTION
+    end = 0.0                                    # when the link finishes its last reduction so far
+    for nbytes, ready in buckets:
+        end = max(ready * backward_ms, end) + ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us)
+    return forward_ms + max(backward_ms, end) + optimizer_ms
+    # END SOLUTION
+
+
 def final_run_config():
     """Your lab run: {'grad_sync': ..., 'bucket_mb': ..., 'prefetch_depth': ...}."""
     # BEGIN SOLUTION
-    return {"grad_sync": "overlap", "bucket_mb": planner_best_mb, "prefetch_depth": 2}
+    caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]
+    best = min(caps, key=lambda cap: overlap_step_ms(lab_buckets(cap), **lab_parts, world_size=2,
+                                                     link_gbs=lab_link_gbs, latency_us=lab_latency_us))
+    return {"grad_sync": "overlap", "bucket_mb": best, "prefetch_depth": 2}
     # END SOLUTION
 
 # %%
 check("09.final_challenge")
 
 # %% [markdown]
-# ## The figure: step / ceiling from 2 to 1024 devices, and where your run landed
+# ## The sweep, now that you have chosen
 #
-# Left: the planner for llama-8b on the A100 cluster above. The serial step's distance from the
-# ceiling stays large at every N; overlap stays close to it, but past the crossover (grey line) the
-# ceiling itself climbs away from the compute-only step (dashed: ceiling / compute-only step, 1.8 at
-# N = 1024): that is the cost of being communication-bound. Right: the lab's runs measured on this
-# machine (filled; your final-challenge run is the star) next to what the planner calibrated to the
-# lab predicted for each (hollow). A measured point above its prediction is what the planner does
-# not model: here, CPU contention between compute and gloo's threads, and a shared machine's noise.
+# The planner's prices for a range of caps (hfstream's, calibrated to the measured run the way
+# `hfstream plan --compare bench.json` calibrates to a benchmark: the FLOP/s that reproduce the
+# measured backward, the memory bandwidth that reproduces the optimizer step), next to yours, and
+# then the lab measured at several of them, interleaved on the same simulated link (15 steps each,
+# so a little noisier than the graded run).
 
 # %%
+lab_cfg = PlanConfig(tokens_per_device=LAB["batch"], link_gbs=lab_link_gbs, latency_us=lab_latency_us, world_sizes=(2,))
+lab_cfg.compute_tflops = calibrated_tflops(lab_shape, lab_cfg, ref["backward_ms"])
+lab_cfg.mem_bandwidth_gbs = calibrated_mem_bandwidth_gbs(lab_shape, lab_cfg, ref["optimizer_ms"])
+lab_ceiling = predict_row(lab_shape, dataclasses.replace(lab_cfg, bucket_mb=math.inf), 2)["ideal_ms"]
+
+
+def predict_lab(config):
+    """hfstream's planner: predicted step / ceiling for one lab configuration (data hidden when prefetching)."""
+    row = predict_row(lab_shape, dataclasses.replace(lab_cfg, bucket_mb=config["bucket_mb"]), 2)
+    step = row["step_overlap_ms"] if config["grad_sync"] == "overlap" else row["step_serial_ms"]
+    if config["prefetch_depth"] == 0:
+        step += ref["link"]["data_ms"]
+    return step / lab_ceiling
+
+
+yours = final_run_config()
+print(f"{'bucket_mb':>10}{'buckets':>8}{'comm busy':>10}{'exposed':>9}{'planner step/ceiling':>21}{'your step (ms)':>15}")
+for cap in sorted({0, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, 25.0, yours["bucket_mb"]}):
+    row = predict_row(lab_shape, dataclasses.replace(lab_cfg, bucket_mb=cap), 2)
+    mine = overlap_step_ms(lab_buckets(cap), **lab_parts, world_size=2, link_gbs=lab_link_gbs, latency_us=lab_latency_us)
+    print(f"{cap:>10.4g}{len(lab_buckets(cap)):>8}{row['comm_busy_ms']:>10.1f}{row['exposed_overlap_ms']:>9.1f}"
+          f"{predict_lab({'grad_sync': 'overlap', 'bucket_mb': cap, 'prefetch_depth': 2}):>21.2f}{mine:>15.1f}"
+          + ("   <- your choice" if cap == yours["bucket_mb"] else ""))
+
+sweep = run_lab({f"overlap @ {cap:g} MiB + prefetch 2": {"grad_sync": "overlap", "bucket_mb": cap, "prefetch_depth": 2}
+                 for cap in (0, 1 / 16, 1 / 4)}, lab={"steps": 15})
+print_runs(sweep["runs"])
+measured_runs = {**explore["runs"], **sweep["runs"]}
+for name, r in measured_runs.items():
+    print(f"{name:<36} measured {r['efficiency']:.2f}, planner {1 / predict_lab(r['config']):.2f}: "
+          f"{'passes' if r['efficiency'] >= THRESHOLD else 'below'} the line")
+
+# %% [markdown]
+# The planner predicts more than the lab measures: it does not know that on a CPU gloo's threads
+# take compute time from backward while they reduce, with the lab's 2 ranks sharing 2 cores. On a
+# GPU, NCCL reduces on the device and the host only launches, and the planner comes closer.
+#
+# ## The figure: step / ceiling from 2 to 1024 devices, and where your run landed
+#
+# Left: the planner for llama-8b on the A100 cluster above (a model: nothing on it is measured).
+# The serial step's distance from the ceiling stays large at every N; overlap stays close to it,
+# but past the crossover (grey line) the ceiling itself climbs away from the compute-only step
+# (dashed: ceiling / compute-only step, the cell prints its value at N = 1024): that is the cost of
+# being communication-bound. Right: the lab's runs measured on this machine over the **simulated**
+# link (filled; your final-challenge run is the star) next to what hfstream's planner, calibrated
+# to the lab, predicted for each (hollow), and the two real loopback runs (squares), where nothing
+# is simulated and communication is small. A measured point above its prediction is what the
+# planner does not model: here, CPU contention between compute and gloo's threads, and a shared
+# machine's noise.
+
+# %%
+from fractions import Fraction
 from matplotlib.figure import Figure
-from course.checks.lesson09 import LAST_CHALLENGE, THRESHOLD
+from course.checks.lesson09 import LAST_CHALLENGE
 
 sizes = [2**i for i in range(1, 11)]
 doc = plan(shape, dataclasses.replace(cfg, world_sizes=tuple(sizes)))
-fig = Figure(figsize=(11, 4.0))
-ax1, ax2 = fig.subplots(1, 2)
+fig = Figure(figsize=(12, 4.6))
+ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.4]})
 rows = doc["rows"]
 compute_only = rows[0]["forward_ms"] + rows[0]["backward_ms"] + rows[0]["optimizer_ms"]
 ax1.plot(sizes, [r["step_serial_ms"] / r["ideal_ms"] for r in rows], "o-", color="#c44e52", label="serial step / ceiling")
@@ -392,27 +507,43 @@ ax1.plot(sizes, [r["ideal_ms"] / compute_only for r in rows], "k--", label="ceil
 ax1.axhline(1.0, color="#55a868", lw=1, ls=":")
 if doc["overlap_incomplete_from"]:
     ax1.axvline(doc["overlap_incomplete_from"], color="grey", lw=0.8)
-ax1.set_title(f"planner: {shape.name}, {cfg.link_gbs:g} GB/s, {cfg.latency_us:g} us, 25 MiB buckets", fontsize=9)
+ax1.set_title(f"planner (a model): {shape.name}, {cfg.link_gbs:g} GB/s, {cfg.latency_us:g} us, 25 MiB buckets", fontsize=9)
+print(f"ceiling / compute-only step at N = {sizes[-1]}: {rows[-1]['ideal_ms'] / compute_only:.2f}")
 
-runs = {name: (explore["runs"][name], explore["runs"][name]["config"]) for name in explore["runs"]}
+runs = {name: r for name, r in measured_runs.items()}
 mine = LAST_CHALLENGE or None          # your graded run, once the check has measured it
 if mine is not None:
-    runs["your run"] = (mine, mine["config"])
-labels = [name.replace(": ", ":\n").replace(" + ", "\n+ ") for name in runs]
-xs = range(len(runs))
-ax2.plot(xs, [predict_lab(config)[0] for _, config in runs.values()], "o", mfc="none", mec="black", ms=10,
-         label="planner, calibrated to the lab")
-for x, (name, (measured, _)) in zip(xs, runs.items()):
+    runs["your run"] = mine
+def short(config):
+    """A tick label: 'overlap\n1/16 MiB\nprefetch 2'."""
+    cap = config["bucket_mb"]
+    cap = "one bucket" if cap >= 0.5 else "per tensor" if cap == 0 else f"{Fraction(cap).limit_denominator(64)} MiB"
+    return f"{config['grad_sync']}\n{cap}\nprefetch {config['prefetch_depth']}"
+
+
+labels = [("your run:\n" if name == "your run" else "") + short(r["config"]) for name, r in runs.items()]
+xs = list(range(len(runs)))
+ax2.plot(xs, [predict_lab(r["config"]) for r in runs.values()], "o", mfc="none", mec="black", ms=10,
+         label="hfstream planner, calibrated to the lab")
+for x, (name, measured) in zip(xs, runs.items()):
     ax2.plot([x], [1 / measured["efficiency"]], "*" if name == "your run" else "o", ms=16 if name == "your run" else 9,
              color="#4c72b0" if name == "your run" else "#c44e52",
-             label="your run, measured" if name == "your run" else ("measured" if x == 0 else None))
+             label="your run, measured" if name == "your run" else ("measured, simulated link" if x == 0 else None))
     ax2.annotate(f"{measured['efficiency']:.2f}", (x, 1 / measured["efficiency"]), textcoords="offset points",
                  xytext=(10, -3), fontsize=8)
+xr = len(runs)
+ax2.axvline(xr - 0.5, color="black", lw=0.6)
+for k, (name, r) in enumerate(real["runs"].items()):
+    ax2.plot([xr + k], [1 / r["efficiency"]], "s", ms=9, color="#55a868",
+             label="measured, real loopback (nothing simulated)" if k == 0 else None)
+    ax2.annotate(f"{r['efficiency']:.2f}", (xr + k, 1 / r["efficiency"]), textcoords="offset points", xytext=(10, -3), fontsize=8)
+    labels.append("real loopback:\n" + short(r["config"]))
 ax2.axhline(1 / THRESHOLD, color="grey", ls="--", lw=0.8, label=f"pass line: efficiency {THRESHOLD:.2f}")
 ax2.axhline(1.0, color="#55a868", lw=1, ls=":")
-ax2.set_xticks(list(xs), labels, fontsize=7)
-ax2.set_xlim(-0.5, len(runs) - 0.5)
-ax2.set_title("the lab at N = 2: planner (hollow) vs measured here (filled, efficiency printed)", fontsize=9)
+ax2.set_xticks(range(len(labels)), labels, fontsize=6.5)
+ax2.set_xlim(-0.5, len(labels) - 0.5)
+ax2.set_title("the lab at N = 2. SIMULATED link: its speed is set each step from this machine's backward\n"
+              "(1.2 x backward per all-reduce); no congestion, no jitter, no network CPU cost", fontsize=8)
 ax2.set_ylabel("step / ceiling (1 = at the ceiling)")
 ax2.legend(fontsize=7)
 ax1.set_xscale("log", base=2)
@@ -427,6 +558,7 @@ show(figure_path("09_scale.png"))
 assert mine is not None and mine["efficiency"] > explore["runs"]["naive: serial, no prefetch"]["efficiency"], mine
 assert explore["runs"]["naive: serial, no prefetch"]["efficiency"] < THRESHOLD
 assert all(r["step_serial_ms"] >= r["ideal_ms"] - 1e-9 for r in rows)
+assert all(r["comm_busy_ms"] < r["backward_ms"] for r in real["runs"].values()), real["runs"]
 
 # %% [markdown]
 # ### On a GPU
@@ -462,8 +594,8 @@ print(f"bf16 matmul: {matmul_tflops:.0f} TFLOP/s; llama-8b at half of it: comm e
 #   after it the link sets the ceiling and the ceiling rises with N;
 # - the levers that move it (link, bytes on the wire, work per all-reduce, buckets) and the
 #   planner to price each one before buying hardware: `hfstream plan`;
-# - a real run over a slow link, configured from a calibrated prediction and measured against its
-#   ceiling.
+# - your own planner of the overlapped schedule, and a real run over a simulated slow link,
+#   configured from it and measured against its ceiling (and one run where nothing is simulated).
 #
 # That is the course: from the map of lesson 00 to a measured step near its ceiling. The library
 # you used in every lesson is the one you can put in your own training:
