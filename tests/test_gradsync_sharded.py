@@ -158,6 +158,7 @@ def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype
     out["final"] = _state(model)   # state_dict() waits for the pending gathers
     out["lrs"] = [g["lr"] for g in opt.param_groups]
     out["model_grads_none"] = all(p.grad is None for p in model.parameters())
+    out["notes"] = list(sync.notes)
     sync.close()
     return out
 
@@ -227,6 +228,18 @@ def test_parity_runs_exercise_clipping_buckets_and_the_tied_frozen_and_unused_pa
 
 
 @pytest.mark.multiprocess
+def test_a_parameter_without_gradient_is_said_once_with_how_sharded_differs_from_ddp(parity):
+    # The branch is unused on rank 1 only: rank 1 says so (it is still stepped with the mean).
+    def unused_notes(out):
+        return [n for n in out["notes"] if "got no gradient" in n]
+
+    assert unused_notes(parity[0]["several"]) == []
+    notes = unused_notes(parity[1]["several"])
+    assert len(notes) == 1, notes
+    note = notes[0]
+    assert "branch.weight" in note and "zero mean gradient and is stepped" in note and "requires_grad_(False)" in note
+
+
 def test_bf16_wire_stays_within_tolerance(parity):
     want = parity[0]["several"]["ref_trace"][-1]
     for rank in (0, 1):

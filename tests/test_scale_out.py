@@ -140,9 +140,12 @@ def _final(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "params_rank0.pt")
 
 
-def test_resume_after_every_rank_is_killed_matches_an_uninterrupted_run_bitwise(tmp_path):
-    """40 steps, a checkpoint every 10, every rank SIGKILLed at step 25, resumed from step 20."""
-    args = COMMON + ["--max_steps", "40", "--save_strategy", "steps", "--save_steps", "10", "--grad_sync", "overlap",
+@pytest.mark.parametrize("grad_sync", ["overlap", "sharded"])
+def test_resume_after_every_rank_is_killed_matches_an_uninterrupted_run_bitwise(tmp_path, grad_sync):
+    """40 steps, a checkpoint every 10, every rank SIGKILLed at step 25, resumed from step 20.
+
+    Sharded: the checkpoint holds the whole optimizer, cut again into each rank's slices."""
+    args = COMMON + ["--max_steps", "40", "--save_strategy", "steps", "--save_steps", "10", "--grad_sync", grad_sync,
                      "--prefetch_depth", "2", "--per_device_train_batch_size", "2"]
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     run(one_node_two_procs(free_port(), args + ["--output_dir", str(whole)]), whole)
@@ -163,10 +166,11 @@ def test_resume_after_every_rank_is_killed_matches_an_uninterrupted_run_bitwise(
 
 
 @pytest.mark.slow
-def test_resume_with_a_different_process_count_continues_from_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("grad_sync", ["overlap", "sharded"])
+def test_resume_with_a_different_process_count_continues_from_the_checkpoint(tmp_path, grad_sync):
     """2 processes write checkpoint-10; 1 process resumes it and finishes (global batch halves: documented)."""
     out = tmp_path / "run"
-    args = COMMON + ["--save_strategy", "steps", "--save_steps", "10", "--grad_sync", "overlap"]
+    args = COMMON + ["--save_strategy", "steps", "--save_steps", "10", "--grad_sync", grad_sync]
     run(one_node_two_procs(free_port(), args + ["--max_steps", "10", "--output_dir", str(out)]), out)
     single = [[sys.executable, SCRIPT, *args, "--max_steps", "16", "--output_dir", str(out), "--resume", "last"]]
     run(single, out)

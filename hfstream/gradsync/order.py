@@ -34,6 +34,10 @@ class ArrivalOrder:
             self._seen[i] = True
             self._arrived.append(i)
 
+    def seen(self, i: int) -> bool:
+        """Parameter ``i`` got a gradient on this rank in the first synchronised step."""
+        return self._seen[i]
+
     def agree(self, group, device: torch.device) -> list[int]:
         """Rank 0's arrival order, never-arrived parameters last (reverse registration): a collective."""
         order = self._arrived + [i for i in reversed(range(self.num_params)) if not self._seen[i]]

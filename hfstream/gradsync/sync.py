@@ -413,7 +413,7 @@ class GradSync:
         self._steps += 1
         if not self._arrival.done:
             self._plan_in_arrival_order()
-        elif self.mode != "serial" and not self.notes:
+        elif self.mode != "serial":   # OverlapCheck says it once
             note = self._overlap.step_done(self._steps, self.buckets, self._recorder.launched_in_backward, *times)
             if note:
                 self.notes.append(note)
@@ -445,6 +445,14 @@ class GradSync:
     def _plan_in_arrival_order(self) -> None:
         """After the first synchronised step, on every rank alike: plan in rank 0's arrival order."""
         order = self._arrival.agree(self.process_group, self._agree_device)
+        unused = [name for i, (name, _) in enumerate(self._named) if not self._arrival.seen(i)]
+        if self._sharded is not None and unused:
+            note = (f"GradSync(mode='sharded') rank {self.rank}: {len(unused)} trainable parameter(s) got no gradient in "
+                    f"the first step ({', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}). One that no rank uses "
+                    f"still gets a zero mean gradient and is stepped (weight decay and momentum move it), where DDP "
+                    f"leaves it untouched; freeze it (requires_grad_(False)) if it must not change")
+            self.notes.append(note)
+            logger.warning(note)
         self._plan_named = planning_sequence(self._named, order)
         before = [b.names for b in self.buckets]
         self._replan(self._planned_mb)
