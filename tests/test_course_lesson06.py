@@ -1,6 +1,8 @@
 """Lesson 06's checks name the learner's mistake: a plan in forward order, `>` for `>=`, closing a
 bucket before it would overflow, elements for bytes; a bucketed sync that reduces per parameter,
-forgets to copy the mean back, or launches buckets in completion order; and the right answers pass."""
+forgets to copy the mean back, launches buckets in completion order, never resets (one diagnosis,
+the dependent cases say "fix the case above first"), or trips on a parameter without .grad; the
+code of a fix only from the third failure; and the right answers pass."""
 
 from __future__ import annotations
 
@@ -16,9 +18,13 @@ def _progress_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setenv("HFSTREAM_COURSE_PROGRESS", str(tmp_path / "progress.json"))
 
 
-def _messages(exercise: str, source: str) -> list[str]:
+def _failures(exercise: str, source: str):
     ns = run_cell(LEARNER_PREAMBLE + textwrap.dedent(source))
-    return [r.message for r in check(exercise, namespace=ns, quiet=True) if not r.passed]
+    return [r for r in check(exercise, namespace=ns, quiet=True) if not r.passed]
+
+
+def _messages(exercise: str, source: str) -> list[str]:
+    return [r.message for r in _failures(exercise, source)]
 
 
 PLAN_RIGHT = """
@@ -149,8 +155,10 @@ def test_one_all_reduce_per_parameter_is_named():
 
 def test_forgetting_to_unflatten_is_named():
     no_copy = FINISH.replace("                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))\n", "")
-    messages = _messages("06.bucketed_sync", SYNC_HEAD + LAUNCH + ON_READY + no_copy)
-    assert len(messages) == 1 and "copy each slice back" in messages[0], messages
+    failed = _failures("06.bucketed_sync", SYNC_HEAD + LAUNCH + ON_READY + no_copy)
+    assert len(failed) == 2 and "nothing wrote it back" in failed[0].message, failed
+    assert "view_as" not in failed[0].message and failed[0].reveal == "", failed    # first try: no code
+    assert "fix the case above first" in failed[1].message, failed
 
 
 def test_launching_in_completion_order_is_named():
@@ -180,3 +188,52 @@ def test_launching_in_completion_order_is_named():
     head = SYNC_HEAD.replace("        self.inflight = []\n", "        self.inflight = []\n        self.launched = set()\n")
     messages = _messages("06.bucketed_sync", head + LAUNCH + textwrap.indent(textwrap.dedent(completion), "    "))
     assert "not in plan order" in messages[0], messages
+
+
+def test_not_resetting_is_named_once_and_the_dependent_cases_wait():
+    no_reset = FINISH.replace("        self.inflight, self.next = [], 0\n        self.pending = [len(m) for m in self.buckets]\n",
+                              "        self.inflight = []\n")
+    assert no_reset != FINISH
+    failed = _failures("06.bucketed_sync", SYNC_HEAD + LAUNCH + ON_READY + no_reset)
+    assert len(failed) == 3 and "step 2 launched nothing" in failed[0].message, failed
+    assert all("fix the case above first" in r.message for r in failed[1:]), failed
+    assert not any("copy" in r.message for r in failed), failed       # no second, wrong diagnosis
+
+
+def test_packing_a_missing_grad_is_named():
+    no_zeros = LAUNCH.replace("grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]",
+                              "grads = [p.grad for p in self.buckets[b]]")
+    assert no_zeros != LAUNCH
+    failed = _failures("06.bucketed_sync", SYNC_HEAD + no_zeros + ON_READY + FINISH)
+    assert len(failed) == 1 and failed[0].case.startswith("a parameter without .grad"), failed
+    assert "no .grad" in failed[0].message and "as zeros" in failed[0].message, failed
+    assert failed[0].reveal == "", failed
+
+
+def test_leaving_an_unused_parameter_without_grad_is_named():
+    skip = FINISH.replace("                if p.grad is None:\n                    p.grad = torch.empty_like(p)\n"
+                          "                p.grad.copy_(", "                if p.grad is not None:\n"
+                          "                    p.grad.copy_(")
+    assert skip != FINISH
+    # Only the unused-parameter case: its in-process rehearsal finds this before any rank starts.
+    from course.grading import Learner, get_exercise, run_case
+
+    ex = get_exercise("06.bucketed_sync")
+    case = next(c for c in ex.cases if c.title.startswith("a parameter without .grad"))
+    result = run_case(ex, case, Learner(run_cell(LEARNER_PREAMBLE + SYNC_HEAD + LAUNCH + ON_READY + skip), ex))
+    assert not result.passed and "expert.weight has no .grad on rank 1" in result.message, result
+    assert result.seconds < 5, result
+
+
+def test_untouched_stubs_get_a_first_stage_hint_without_code():
+    from course import build
+
+    built = build.build_lesson(next(p for p in build.lesson_sources() if p.stem.startswith("06")))
+    cells = "\n\n".join(c.source for c in built.student.cells
+                         if c.cell_type == "code" and "raise NotImplementedError" in c.source)
+    ns = run_cell(LEARNER_PREAMBLE + cells)
+    for exercise in ("06.plan_buckets", "06.bucketed_sync"):
+        for r in check(exercise, namespace=ns, quiet=True):
+            assert not r.passed and "still raises NotImplementedError" in r.message, r
+            assert not any(code in r.message for code in ("torch.cat", "view_as", "async_op", "2**20", ">=")), r
+            assert r.reveal == "", r

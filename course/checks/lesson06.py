@@ -13,13 +13,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import traceback
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course.checks.lesson05 import Recorder, _classify, _reference_grads, cached, run_ranks
+from course.checks.lesson05 import (Branchy, Recorder, _classify, _memo, _reference_grads, cached, fake_ranks,
+                                    run_ranks)
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub, load_module
 
 MiB = 2**20
@@ -74,8 +76,8 @@ WRONG_RULES: list[tuple[str, Callable]] = [
     ("you took the parameters in registration (forward) order. Backward produces the last layer's gradient "
      "first, so DDP plans in *reverse* registration order: the first bucket is the one that fills first",
      lambda s, cap: _rule(s, cap, reverse=False)),
-    ("a bucket closes once it *reaches* the cap (bytes >= cap), not only once it exceeds it: a bucket of "
-     "exactly the cap is full",
+    ("a bucket closes once it *reaches* the cap, not only once it exceeds it: a bucket of exactly the cap "
+     "is full",
      lambda s, cap: _rule(s, cap, ge=False)),
     ("you closed a bucket before it would overflow the cap. DDP's rule is the other way round: add the "
      "parameter, then close the bucket if it has reached the cap, so buckets hold at least the cap "
@@ -101,8 +103,14 @@ def _normalise(plan: Any, where: str) -> list[list[str]]:
     return [list(b) for b in plan]
 
 
+PLAN_REVEAL = ("cap = bucket_mb * 2**20; for name, p in reversed(list(named_params)): current.append(name); "
+               "size += p.numel() * p.element_size(); if size >= cap: buckets.append(current); current, size = [], 0. "
+               "After the loop: if current: buckets.append(current)")
+
+
 @plan_ex.case("parameters in reverse registration order; cap 0 = one per bucket; inf = one bucket",
-              hint="walk reversed(named_params); add each name; close the bucket once its bytes >= the cap")
+              hint="walk the parameters in reverse registration order, add each one whole to the open bucket, and "
+                   "close the bucket once it holds at least the cap", reveal=PLAN_REVEAL)
 def _(learner):
     named = _named()
     for cap in (0.0, math.inf):
@@ -120,13 +128,14 @@ def _(learner):
             raise Wrong(f"at cap {cap} MiB the plan leaves out {missing[:3]}: every parameter must be in a bucket "
                         f"(the last bucket, not full, too)")
         if got == _rule(_sizes(named), cap * MiB, reverse=False):
-            raise Wrong(WRONG_RULES[0][0])
+            raise Wrong(WRONG_RULES[0][0], reveal=PLAN_REVEAL)
         raise AssertionError(f"at cap {cap} MiB: got {got}, expected {want}")
     return "7 parameters, caps 0 and inf"
 
 
 @plan_ex.case("a bucket closes once it reaches the cap (bytes, MiB), never splitting a parameter",
-              hint="bytes = p.numel() * p.element_size(); cap = bucket_mb * 2**20; close when bytes >= cap")
+              hint="weigh each parameter by its gradient's bytes and the cap in MiB; a bucket closes once it has "
+                   "reached the cap, whole parameters only", reveal=PLAN_REVEAL)
 def _(learner):
     named = _named()
     got = {cap: _normalise(learner.plan_buckets(named, cap), f"..., {cap:.6g}") for cap in CAPS_MB}
@@ -148,10 +157,10 @@ def _(learner):
                         f"never split; it goes whole into the open bucket, which may then exceed the cap")
     for hint, rule in WRONG_RULES:
         if all(got[cap] == rule(_sizes(named), cap * MiB) for cap in CAPS_MB):
-            raise Wrong(hint)
+            raise Wrong(hint, reveal=PLAN_REVEAL)
     if all(got[cap] == _rule(_sizes(named, "numel"), cap * MiB) for cap in CAPS_MB):
-        raise Wrong("you counted elements, not bytes: the cap is in MiB of gradient, so a parameter weighs "
-                    "p.numel() * p.element_size() bytes")
+        raise Wrong("you counted elements, not bytes: the cap is in MiB of gradient, so a parameter weighs its "
+                    "elements times the bytes of one element", reveal="p.numel() * p.element_size()")
     if all(got[cap] == _rule(_sizes(named), cap * 1e6) for cap in CAPS_MB):
         raise Wrong("bucket_mb is in MiB (2**20 bytes, DDP's bucket_cap_mb), not MB (10**6 bytes)")
     cap = next(c for c in CAPS_MB if got[c] != want[c])
@@ -174,7 +183,7 @@ def _plans(model) -> dict[str, list[list[str]]]:
     return {"reverse": ddp, "forward": [list(reversed(b)) for b in reversed(ddp)]}
 
 
-def _bucketed_rank(rank: int, world_size: int, path: str) -> dict:
+def _bucketed_rank(rank: int, world_size: int, path: str, with_unused: bool = False) -> dict:
     from course.lib import TinyMLP, random_regression
 
     mod = load_module(path)
@@ -221,42 +230,63 @@ def _bucketed_rank(rank: int, world_size: int, path: str) -> dict:
                 sync.close()
             if any("error" in s for s in steps):
                 break
-    return facts
+        unused = _unused_rank(rank, world_size, mod, rec) if with_unused else None
+    return {"plans": facts, "unused": unused}
 
 
-BUCKET_HINT = ("_launch(b): torch.cat the bucket's gradients (reshape(-1)) into one flat tensor and "
-               "dist.all_reduce(flat, async_op=True); _on_grad_ready: count down the bucket, then launch every "
-               "complete bucket at the head of the plan")
-UNFLATTEN_HINT = ("finish(): launch what is left, then for each bucket wait(), divide by the world size, and copy "
-                  "each slice of the flat tensor back into its parameter's .grad (view_as(p))")
+BUCKET_HINT = ("_launch(b) packs bucket b's gradients into one flat tensor and starts one asynchronous all-reduce "
+               "of it; the hook counts its bucket down, then launches every complete bucket at the head of the plan")
+BUCKET_REVEAL = ("_launch: flat = torch.cat([g.reshape(-1) for g in grads]); "
+                 "self.inflight.append((b, flat, dist.all_reduce(flat, async_op=True))). _on_grad_ready: "
+                 "self.pending[self.bucket_of[param]] -= 1; while self.next < len(self.buckets) and "
+                 "self.pending[self.next] == 0: self._launch(self.next); self.next += 1")
+UNFLATTEN_HINT = ("finish() launches what is left in plan order, then for each bucket waits, turns the sum into a "
+                  "mean, and writes each parameter's part of the flat tensor back into its .grad; then it resets "
+                  "the per-step state")
+UNFLATTEN_REVEAL = ("offset = 0; for p in self.buckets[b]: p.grad.copy_(flat[offset:offset + p.numel()].view_as(p)); "
+                    "offset += p.numel()")
 
 
 def _bucketed_facts(learner) -> dict:
-    return cached("06.bucketed_sync", learner, lambda path: run_ranks(_bucketed_rank, path, hint=BUCKET_HINT)[0])
+    """The real 2-rank run: the two TinyMLP plans, and the unused-parameter model when the
+    in-process rehearsal (`_unused_fake`) found nothing that would crash or hang real ranks."""
+    try:
+        with_unused = _diagnose_unused(_unused_fake(learner)) is None
+    except Exception:
+        with_unused = False
+    facts = cached("06.bucketed_sync", learner,
+                   lambda path: run_ranks(_bucketed_rank, path, with_unused, hint=BUCKET_HINT)[0])
+    return facts
 
 
-@bucketed.case("one asynchronous all-reduce per bucket, launched in plan order, the first during backward",
-               hint=BUCKET_HINT, timeout=150)
+LAUNCH_CASE = "one asynchronous all-reduce per bucket, launched in plan order, the first during backward"
+PARITY_CASE = "after finish() every .grad is the mean over 2 gloo ranks (2 plans, 2 steps each)"
+
+
+@bucketed.case(LAUNCH_CASE, hint=BUCKET_HINT, reveal=BUCKET_REVEAL, timeout=150)
 def _(learner):
-    facts = _bucketed_facts(learner)
+    facts = _bucketed_facts(learner)["plans"]
     for label, f in facts.items():
         want, nparams = f["buckets"], f["params"]
         for i, st in enumerate(f["steps"], 1):
             got = st["numels"]
             if got and not all(st["async"]):
-                raise Wrong("an all-reduce without async_op=True blocks until it is done, so nothing overlaps: "
-                            "launch each bucket with async_op=True and wait in finish()")
+                raise Wrong("a blocking all-reduce returns only once it is done, so nothing overlaps: launch each "
+                            "bucket's reduction in its asynchronous form and wait for it in finish()",
+                            reveal="dist.all_reduce(flat, async_op=True)")
             if "error" in st and not got:
                 raise Wrong(f"your code raised {st['error']} before any all-reduce. Hint: {BUCKET_HINT}")
             if len(got) == nparams and len(want) != nparams:
                 raise Wrong(f"{len(got)} all-reduces for {nparams} parameters in {len(want)} buckets: one per "
-                            f"parameter, not per bucket. Flatten each bucket (torch.cat of g.reshape(-1)) and "
-                            f"reduce the flat tensor once")
+                            f"parameter, not per bucket. Pack each bucket's gradients into one flat tensor and "
+                            f"reduce that once", reveal="flat = torch.cat([g.reshape(-1) for g in grads])")
             if len(got) > len(want):
                 raise Wrong(f"step {i}: {len(got)} all-reduces for {len(want)} buckets: each bucket is launched "
                             f"once per step (advance self.next; reset it in finish())")
             if not got and i == 2:
-                raise Wrong("step 2 launched nothing: reset self.next and self.pending at the end of finish()")
+                raise Wrong("step 2 launched nothing: finish() must leave the per-step state (self.next, "
+                            "self.pending, self.inflight) as __init__ set it, for the next step",
+                            reveal="self.inflight, self.next = [], 0; self.pending = [len(m) for m in self.buckets]")
             if sorted(got) == sorted(want) and got != want:
                 raise Wrong(f"the buckets went out in the order they completed ({got} elements), not in plan order "
                             f"({want}). Every rank must launch the same collectives in the same order: a bucket "
@@ -274,10 +304,9 @@ def _(learner):
             f"{first['in_backward']} during backward")
 
 
-@bucketed.case("after finish() every .grad is the mean over 2 gloo ranks (2 plans, 2 steps each)",
-               hint=UNFLATTEN_HINT, timeout=150)
+@bucketed.case(PARITY_CASE, hint=UNFLATTEN_HINT, reveal=UNFLATTEN_REVEAL, after=LAUNCH_CASE, timeout=150)
 def _(learner):
-    facts = _bucketed_facts(learner)
+    facts = _bucketed_facts(learner)["plans"]
     for label, f in facts.items():
         for i, st in enumerate(f["steps"], 1):
             if "error" in st:
@@ -287,7 +316,8 @@ def _(learner):
                 continue
             if r == "local":
                 raise Wrong("the gradients are still this rank's own: the mean lives in the flat tensor you "
-                            "reduced. After wait(), copy each slice back into its parameter's .grad")
+                            "reduced, and nothing wrote it back. Once a bucket's reduction is done, copy each "
+                            "parameter's slice of it back into its .grad", reveal=UNFLATTEN_REVEAL)
             if r == "sum":
                 raise Wrong("the gradients are the sum over ranks: divide the flat tensor by the world size")
             if r == "twice":
@@ -297,6 +327,131 @@ def _(learner):
             raise AssertionError(f"plan {label}, step {i}: the gradients differ from the mean over ranks (are the "
                                  f"slices copied back to the right parameters, in the order they were packed?)")
     return "parity with the serial all-reduce"
+
+
+# A parameter without .grad: lesson 05's `Branchy`, whose `expert` rank 1 skips and whose `spare`
+# no rank uses, in a plan that puts each of them in a bucket with a used parameter.
+UNUSED_PLAN = [["out.bias", "out.weight"], ["expert.weight", "inp.bias"], ["spare", "inp.weight"]]
+UNUSED_CASE = ("a parameter without .grad (`expert` unused on rank 1, `spare` on both): same flat sizes on every "
+               "rank, and the mean in every .grad")
+UNUSED_HINT = ("a parameter backward did not reach has no .grad: it still takes its place in its bucket's flat "
+               "tensor (as zeros), and after finish() it holds the mean like every other parameter")
+PACK_REVEAL = "grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]"
+UNPACK_REVEAL = "if p.grad is None: p.grad = torch.empty_like(p)   then p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))"
+_LEARNER_METHODS = ("_launch", "_on_grad_ready", "finish", "__init__")
+
+
+def _learner_method(exc: BaseException) -> str | None:
+    """The learner's method a crash happened in (the innermost one)."""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.name in _LEARNER_METHODS and "/course/checks/" not in frame.filename.replace("\\", "/"):
+            return frame.name
+    return None
+
+
+def _unused_fake(learner) -> dict:
+    """One step of each rank of `Branchy` (rank 1 skips ``expert``) with lesson 05's stand-in
+    all-reduce, in this process: what each rank would launch, without any risk of a hang."""
+    memo = _memo(learner)
+    if "06.unused-fake" in memo:
+        return memo["06.unused-fake"]
+    out = {}
+    for rank in (0, 1):
+        model = Branchy()
+        numel = {n: p.numel() for n, p in model.named_parameters()}
+        with fake_ranks(2) as log:
+            sync = None
+            try:
+                sync = learner.BucketedSync(model, UNUSED_PLAN)
+                log.clear()
+                x = torch.randn(4, 3, generator=torch.Generator().manual_seed(rank))
+                model(x, use_expert=(rank == 0)).square().mean().backward()
+                sync.finish()
+                out[rank] = {"numels": [c["numel"] for c in log],
+                             "none_after": [n for n, p in model.named_parameters() if p.grad is None]}
+            except Exception as exc:
+                out[rank] = {"numels": [c["numel"] for c in log], "where": _learner_method(exc),
+                             "error": f"{type(exc).__name__}: {exc}".strip().splitlines()[0]}
+            finally:
+                if sync is not None and hasattr(sync, "close"):
+                    sync.close()
+        out[rank]["want"] = [sum(numel[n] for n in b) for b in UNUSED_PLAN]
+    memo["06.unused-fake"] = out
+    return out
+
+
+def _diagnose_unused(fake: dict) -> Wrong | None:
+    for rank in (0, 1):
+        f = fake[rank]
+        who = "expert.weight, which rank 1 did not use" if rank == 1 else "spare, which no rank uses"
+        if "error" in f and "NoneType" in f["error"]:
+            if f["where"] == "finish":
+                return Wrong(f"rank {rank}: finish() crashed ({f['error']}) on a parameter with no .grad ({who}): its "
+                             f"part of the mean has nowhere to go. Give such a parameter a .grad before writing its "
+                             f"slice back", reveal=UNPACK_REVEAL)
+            return Wrong(f"rank {rank}: packing a bucket crashed ({f['error']}) on a parameter with no .grad ({who}). "
+                         f"It still takes its place in the flat tensor, as zeros, so that every rank reduces a tensor "
+                         f"of the same size", reveal=PACK_REVEAL)
+        if "error" in f:
+            return Wrong(f"rank {rank}, with a parameter that has no .grad ({who}): your code raised {f['error']}. "
+                         f"Hint: {UNUSED_HINT}", reveal=PACK_REVEAL)
+        if f["numels"] != f["want"][:len(f["numels"])] or len(f["numels"]) != len(f["want"]):
+            return Wrong(f"rank {rank} reduced flat tensors of {f['numels']} elements, the plan's buckets hold "
+                         f"{f['want']}: a parameter without .grad ({who}) was left out of its bucket's flat tensor, so "
+                         f"the ranks reduce tensors of different sizes (gloo fails, or pairs the wrong elements). Pack "
+                         f"zeros in its place", reveal=PACK_REVEAL)
+    if "expert.weight" in fake[1]["none_after"]:
+        return Wrong("after finish(), expert.weight has no .grad on rank 1, although rank 0 used it: the mean (rank 0's "
+                     "gradient over 2) belongs in every rank's .grad, or rank 1's optimizer skips the parameter and "
+                     "the ranks' weights drift apart. Give it a .grad before writing its slice back",
+                     reveal=UNPACK_REVEAL)
+    return None
+
+
+def _unused_rank(rank: int, world_size: int, mod, rec) -> dict:
+    """Two real steps of `Branchy` under UNUSED_PLAN (rank 1 skips ``expert``); parity per step."""
+    model, ref = Branchy(), Branchy()
+    sync = mod.BucketedSync(model, UNUSED_PLAN)
+    rec.take()
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    names = [n for n, _ in model.named_parameters()]
+    results = []
+    for step in range(2):
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * step + rank))
+        use = rank == 0
+        model(x, use).square().mean().backward()
+        sync.finish()
+        rec.take()
+        got = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        local, mean = _reference_grads(ref, ref(x, use).square().mean(), rec.real, world_size)
+        i = names.index("spare")          # unused everywhere: zeros or None are both right (DDP leaves None)
+        if got[i] is None:
+            got[i] = torch.zeros_like(mean[i])
+        results.append(_classify(got, mean, local, world_size))
+        for p, m in zip(ref.parameters(), mean):
+            p.grad = m.clone()
+        opt.step(); ref_opt.step()
+        opt.zero_grad(set_to_none=True); ref_opt.zero_grad(set_to_none=True)
+    if hasattr(sync, "close"):
+        sync.close()
+    return {"results": results}
+
+
+@bucketed.case(UNUSED_CASE, hint=UNUSED_HINT, reveal=PACK_REVEAL, after=[LAUNCH_CASE, PARITY_CASE], timeout=150)
+def _(learner):
+    problem = _diagnose_unused(_unused_fake(learner))
+    if problem is not None:
+        raise problem                 # found in this process: the real ranks are not started
+    unused = _bucketed_facts(learner)["unused"]
+    assert unused is not None, "the real 2-rank run did not include the unused-parameter model"
+    for i, r in enumerate(unused["results"], 1):
+        if r == "mean":
+            continue
+        if r == "missing":
+            raise Wrong(f"step {i}: a parameter has no .grad after finish() on a real rank", reveal=UNPACK_REVEAL)
+        raise AssertionError(f"step {i}: with `expert` unused on rank 1, the gradients after finish() differ from "
+                             f"the serial mean ({r})")
+    return "expert unused on rank 1, spare on both: 2 steps, parity with the serial all-reduce"
 
 
 # =============================================================================================
@@ -330,7 +485,7 @@ def _sweep_step(model, ids, opt, rec, sync, world_size) -> dict:
 
 
 def _sweep_rank(rank: int, world_size: int, path: str | None, plans: dict | None, caps: list,
-                steps: int, bandwidth_ratio: float, latency_ratio: float) -> dict:
+                steps: int, loopback_steps: int, bandwidth_ratio: float, latency_ratio: float) -> dict:
     import transformers
 
     from course.lib import tiny_gpt2
@@ -360,8 +515,8 @@ def _sweep_rank(rank: int, world_size: int, path: str | None, plans: dict | None
     link = SimulatedLink(rate_mbit=rate_mbit, latency_ms=latency_ms)
     rec = Recorder()
     sessions = []
-    with link.installed(), rec.installed():
-        mod = load_module(path) if path else None
+    mod = load_module(path) if path else None
+    with rec.installed():
         for label in caps:
             model = tiny_gpt2(layers=4, width=128)
             if mod is not None:
@@ -370,29 +525,43 @@ def _sweep_rank(rank: int, world_size: int, path: str | None, plans: dict | None
                 sync = GradSync(model, bucket_mb=25.0, first_bucket_mb=1.0)
             else:
                 sync = GradSync(model, bucket_mb=float(label))
-            sessions.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3), sync, []))
+            sessions.append((label, model, torch.optim.SGD(model.parameters(), lr=1e-3), sync))
         rec.take()
-        for i in range(steps + 1):            # round-robin: a slow moment of the machine hits every cap
-            for label, model, opt, sync, records in sessions:
+
+    def sweep(phase_steps):
+        records = {str(label): [] for label, *_ in sessions}
+        for i in range(phase_steps + 1):     # round-robin: a slow moment of the machine hits every cap
+            for label, model, opt, sync in sessions:
                 dist.barrier()
                 parts = _sweep_step(model, ids, opt, rec, sync, world_size)
-                if i:
-                    records.append(parts)
-        for _, _, _, sync, _ in sessions:
-            if hasattr(sync, "close"):
-                sync.close()
-    return {"records": {str(label): records for label, _, _, _, records in sessions},
+                if i:                        # the first round warms up
+                    records[str(label)].append(parts)
+        return records
+
+    # 1. The real thing: gloo over this machine's loopback, nothing simulated (fewer steps).
+    with rec.installed():
+        loopback = sweep(loopback_steps)
+    # 2. The simulated link, installed under the recorder (it sees the link's completion times).
+    with link.installed(), rec.installed():
+        simulated = sweep(steps)
+    for _, _, _, sync in sessions:
+        if hasattr(sync, "close"):
+            sync.close()
+    return {"records": {"loopback": loopback, "simulated": simulated},
             "rate_mbit": rate_mbit, "latency_ms": latency_ms, "backward_ms": bwd_s * 1e3,
             "params": len(named), "grad_mib": grad_bytes / MiB}
 
 
-def measure_sweep(namespace: dict, caps=SWEEP_CAPS, steps: int = 4, bandwidth_ratio: float = 1.0,
-                  latency_ratio: float = 1.0) -> dict:
-    """Step time of a tiny GPT-2 on 2 gloo ranks for each bucket cap, plus DDP's default plan.
+def measure_sweep(namespace: dict, caps=SWEEP_CAPS, steps: int = 4, loopback_steps: int = 3,
+                  bandwidth_ratio: float = 1.0, latency_ratio: float = 1.0) -> dict:
+    """Step time of a tiny GPT-2 on 2 gloo ranks for each bucket cap, plus DDP's default plan:
+    first over the real loopback, then over a simulated link sized from this machine's backward.
 
     Uses the notebook's `plan_buckets` and `BucketedSync` once they are written (else hfstream's
     planner and ``GradSync``). Returns, per cap (a string; ``"DDP default"`` for 25 MiB with a
-    1 MiB first bucket), the median parts of a step, its ceiling and the number of buckets.
+    1 MiB first bucket), the median parts of a step on the simulated link (``by_cap``) and on
+    loopback (``loopback``), the ceiling, the number of buckets and ``tail_floor_ms``: the least
+    time the last bucket (launched when backward ends) needs on the simulated link.
     """
     from course.lib import tiny_gpt2
     from hfstream.gradsync.buckets import plan_buckets as library_plan
@@ -416,28 +585,36 @@ def measure_sweep(namespace: dict, caps=SWEEP_CAPS, steps: int = 4, bandwidth_ra
                 plans[str(label)] = [list(b.names) for b in library_plan(named, label)]
     who = ("your BucketedSync" if path else "hfstream's GradSync (BucketedSync is not written yet)") + \
           (" with your plan_buckets" if path and mine_plan else " with hfstream's planner")
-    out = run_on_ranks(_sweep_rank, 2, path, plans, labels, steps, bandwidth_ratio, latency_ratio,
+    out = run_on_ranks(_sweep_rank, 2, path, plans, labels, steps, loopback_steps, bandwidth_ratio, latency_ratio,
                        timeout=150, pg_timeout_s=60)
-    result = {}
-    for label in labels:
-        key = str(label)
-        per_step = []
-        for s in range(steps):
-            rows = [r["records"][key][s] for r in out]
-            row = {k: statistics.fmean(x[k] for x in rows) for k in rows[0]}
-            row["step_ms"] = max(x["step_ms"] for x in rows)
-            per_step.append(row)
-        med = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
-        med["ceiling_ms"] = statistics.median(
-            s["forward_ms"] + max(s["backward_ms"], s["comm_busy_ms"]) + s["optimizer_ms"] for s in per_step)
-        if label == DDP_DEFAULT:
-            med["buckets"] = len(library_plan(named, 25.0, first_bucket_mb=1.0))
-        else:
-            med["buckets"] = len(plans[key]) if plans else len(library_plan(named, label))
-        result[key] = med
-    return {"who": who, "by_cap": result, "labels": [str(x) for x in labels], "rate_mbit": out[0]["rate_mbit"],
+    from hfstream.tools.bench.link import SimulatedLink
+
+    link = SimulatedLink(rate_mbit=out[0]["rate_mbit"], latency_ms=out[0]["latency_ms"])
+    sizes = {n: p.numel() * p.element_size() for n, p in named}
+    phases = {"loopback": {}, "simulated": {}}
+    for phase, n_steps in (("loopback", loopback_steps), ("simulated", steps)):
+        for label in labels:
+            key = str(label)
+            per_step = []
+            for s in range(n_steps):
+                rows = [r["records"][phase][key][s] for r in out]
+                row = {k: statistics.fmean(x[k] for x in rows) for k in rows[0]}
+                row["step_ms"] = max(x["step_ms"] for x in rows)
+                per_step.append(row)
+            med = {k: statistics.median(s[k] for s in per_step) for k in per_step[0]}
+            med["ceiling_ms"] = statistics.median(
+                s["forward_ms"] + max(s["backward_ms"], s["comm_busy_ms"]) + s["optimizer_ms"] for s in per_step)
+            if label == DDP_DEFAULT:
+                plan = [list(b.names) for b in library_plan(named, 25.0, first_bucket_mb=1.0)]
+            else:
+                plan = plans[key] if plans else [list(b.names) for b in library_plan(named, label)]
+            med["buckets"] = len(plan)
+            med["tail_floor_ms"] = link.transfer_s(sum(sizes[n] for n in plan[-1]), 2) * 1e3
+            phases[phase][key] = med
+    return {"who": who, "by_cap": phases["simulated"], "loopback": phases["loopback"],
+            "labels": [str(x) for x in labels], "rate_mbit": out[0]["rate_mbit"],
             "latency_ms": out[0]["latency_ms"], "backward_ms": out[0]["backward_ms"], "params": out[0]["params"],
-            "grad_mib": out[0]["grad_mib"]}
+            "grad_mib": out[0]["grad_mib"], "bandwidth_ratio": bandwidth_ratio, "latency_ratio": latency_ratio}
 
 
 def _cap_label(label: str) -> str:
@@ -462,9 +639,12 @@ def sweep_figure(sweep: dict, path) -> Any:
     xs = list(range(len(caps)))
     fig = Figure(figsize=(7.0, 3.8))
     ax = fig.subplots()
-    ax.plot(xs, [by[c]["step_ms"] for c in caps], marker="o", color="#4c72b0", label="measured step")
+    ax.plot(xs, [by[c]["step_ms"] for c in caps], marker="o", color="#4c72b0", label="measured step, simulated link")
     ax.plot(xs, [by[c]["ceiling_ms"] for c in caps], linestyle="--", color="#55a868",
-            label="ceiling: fwd + max(bwd, comm busy) + opt")
+            label="ceiling on the simulated link: fwd + max(bwd, comm busy) + opt")
+    if sweep.get("loopback"):
+        ax.plot(xs, [sweep["loopback"][c]["step_ms"] for c in caps], marker="s", markersize=3, color="#8c8c8c",
+                label="measured step, real loopback (nothing simulated)")
     for x, c in zip(xs, caps):
         ax.annotate(f"{by[c]['buckets']:.0f}", (x, by[c]["step_ms"]), textcoords="offset points", xytext=(0, 6),
                     ha="center", fontsize=7, color="#4c72b0")
@@ -480,8 +660,9 @@ def sweep_figure(sweep: dict, path) -> Any:
     ax.set_xticks(xs, [_cap_label(c) for c in caps], fontsize=8)
     ax.set_xlabel("bucket cap (MiB); number above a point = buckets")
     ax.set_ylabel("ms per step (2 ranks)")
-    ax.set_title(f"bucket cap sweep: tiny GPT-2, {sweep['grad_mib']:.1f} MiB of gradients, link "
-                 f"{sweep['rate_mbit']:.0f} Mbit/s + {sweep['latency_ms']:.2f} ms per collective", fontsize=9)
+    ax.set_title(f"bucket cap sweep, tiny GPT-2 ({sweep['grad_mib']:.1f} MiB of gradients), 2 gloo ranks; SIMULATED link "
+                 f"{sweep['rate_mbit']:.0f} Mbit/s\n+ {sweep['latency_ms']:.2f} ms per collective, both sized from this "
+                 f"machine's backward (timer-delayed completion: no contention, no NIC)", fontsize=8)
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
