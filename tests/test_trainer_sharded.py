@@ -133,3 +133,38 @@ def test_second_train_of_the_same_trainer_carries_the_sharded_state_like_ddp(sha
 def test_sharded_refuses_fp16_naming_what_to_use():
     with pytest.raises(ValueError, match="grad_sync='sharded' cannot be combined with fp16=True.*bf16=True"):
         StreamTrainingArguments(output_dir="unused", grad_sync="sharded", fp16=True, use_cpu=True)
+
+
+# -- what users combine it with ---------------------------------------------------------------------
+def _setups(rank, world_size, tmp):
+    from peft import LoraConfig, get_peft_model
+
+    out = {}
+    for setup in ("lora", "checkpointing", "iterable"):
+        for name, cls, args_cls, kw in (("ddp", Trainer, TrainingArguments, {}),
+                                        ("sharded", StreamTrainer, StreamTrainingArguments, dict(grad_sync="sharded"))):
+            model, data = tiny_causal_lm("gpt2", seed=0), lm_dataset()
+            if setup == "lora":        # frozen base, trainable adapters
+                model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"], lora_dropout=0.0))
+            if setup == "checkpointing":   # the forward runs again inside backward
+                kw = dict(kw, gradient_checkpointing=True)
+            if setup == "iterable":    # batches dispatched from rank 0
+                data = data.to_iterable_dataset()
+            trainer = cls(model=model, train_dataset=data,
+                          args=train_args(args_cls, f"{tmp}/{setup}-{name}", gradient_accumulation_steps=2,
+                                          max_grad_norm=0.5, **kw))
+            trainer.train()
+            out[f"{setup}-{name}"] = dict(losses=losses(trainer), params=params(trainer.model))
+    return out
+
+
+def test_sharded_with_lora_gradient_checkpointing_and_streaming_data_matches_ddp(tmp_path):
+    pytest.importorskip("peft")
+    from hfstream.testing import run_on_ranks
+
+    for out in run_on_ranks(_setups, 2, str(tmp_path), init_process_group=False, timeout=420):
+        for setup in ("lora", "checkpointing", "iterable"):
+            ref, got = out[f"{setup}-ddp"], out[f"{setup}-sharded"]
+            assert len(got["losses"]) == 20
+            torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+            _close(got["params"], ref["params"], setup, atol=1e-5)   # AdamW, clipping: see above
