@@ -245,6 +245,7 @@ def _sft_parity(rank, world_size, tmp):
         ("stock", SFTTrainer, SFTConfig, {}),
         ("off", SFTStream, stream_arguments(SFTConfig), dict(prefetch_depth=0, grad_sync="native")),
         ("default", SFTStream, stream_arguments(SFTConfig), {}),          # prefetch 2, grad_sync auto (overlap)
+        ("sharded", SFTStream, stream_arguments(SFTConfig), dict(grad_sync="sharded")),   # bf16 on: no scaler
     ):
         torch.manual_seed(0)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=257, n_positions=64, n_embd=32, n_layer=2, n_head=2,
@@ -272,7 +273,7 @@ def test_sft_trainer_with_stream_mixin_trains_like_stock_sft_trainer(tmp_path, r
         stock = runs["stock"]
         assert stock["config"] == (True, True, 2e-5, "linear", "bf16", True, 2)   # SFTConfig's defaults, on 2 ranks
         assert len(stock["losses"]) == 6
-        for name in ("off", "default"):
+        for name in ("off", "default", "sharded"):
             assert runs[name]["config"] == stock["config"], name
         # hfstream off: bit-identical to the stock SFTTrainer.
         assert runs["off"]["losses"] == stock["losses"]
@@ -284,6 +285,12 @@ def test_sft_trainer_with_stream_mixin_trains_like_stock_sft_trainer(tmp_path, r
         _assert_close(runs["default"]["losses"], stock["losses"])
         for k, v in stock["params"].items():
             _assert_close(runs["default"]["params"][k], v, msg=k)
+        # Sharded: each rank steps half of SFTConfig's AdamW; the logged losses and the parameters
+        # are those of the stock run.
+        assert runs["sharded"]["mode"] == "sharded"
+        _assert_close(runs["sharded"]["losses"], stock["losses"])
+        for k, v in stock["params"].items():
+            _assert_close(runs["sharded"]["params"][k], v, msg=k)
     for k, v in ranks[0]["default"]["params"].items():                 # the replicas stay identical
         assert torch.equal(v, ranks[1]["default"]["params"][k]), k
 
