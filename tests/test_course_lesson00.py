@@ -228,3 +228,22 @@ def test_untouched_student_exercises_fail_every_case_with_a_first_stage_hint():
         for r in results:
             assert not r.passed, f"{exercise.id}: {r.case} passes with the stub"
             assert len(r.message) > 40 and not r.reveal, (exercise.id, r.message, r.reveal)
+
+
+def test_a_second_look_at_one_scenario_keeps_the_graded_measurement(monkeypatch):
+    class QuietLab:                        # a machine whose every step takes what the model says
+        ids = None
+
+        def compute(self, batch, comm_ms, overlapped):
+            return 20.0, 30.0, 5.0
+
+        def run(self, schedule, data_ms, comm_ms, steps, warmup):
+            step = lesson00._right(schedule, data_ms, 20.0, 30.0, comm_ms, 5.0)
+            return [{"forward_ms": 20.0, "backward_ms": 30.0, "optimizer_ms": 5.0, "step_ms": step}] * steps
+
+    monkeypatch.setattr(lesson00, "_Lab", QuietLab)
+    monkeypatch.setattr(lesson00, "LAST_SCHEDULES", {})
+    lesson00.measure_schedules()
+    again = lesson00._remeasure("serial")
+    assert again["step_ms"] == pytest.approx(27.5 + 20 + 30 + 30 + 5)
+    assert list(lesson00.LAST_SCHEDULES["scenarios"]) == list(lesson00.SCENARIOS)

@@ -473,9 +473,10 @@ for name, r in measured_runs.items():
           f"{'passes' if r['efficiency'] >= THRESHOLD else 'below'} the line")
 
 # %% [markdown]
-# The planner predicts more than the lab measures: it does not know that on a CPU gloo's threads
-# take compute time from backward while they reduce, with the lab's 2 ranks sharing 2 cores. On a
-# GPU, NCCL reduces on the device and the host only launches, and the planner comes closer.
+# Where the planner predicts a higher efficiency than the lab measures (compare the last lines
+# above), that is what it does not model: on a CPU gloo's threads take compute time from backward
+# while they reduce, with the lab's 2 ranks sharing 2 cores, and a shared machine has slow seconds.
+# On a GPU, NCCL reduces on the device and the host only launches, and the planner comes closer.
 #
 # ## The figure: step / ceiling from 2 to 1024 devices, and where your run landed
 #
