@@ -83,16 +83,20 @@ def test_reduce_scatter_mistakes_are_named(change, expected):
     assert "fix the case above first" in messages[1], messages      # the bytes case waits for the result
 
 
-def test_using_all_reduce_is_named():
-    messages = _messages("10.reduce_scatter", """
-    def reduce_scatter_mean(flat):
-        n, rank = dist.get_world_size(), dist.get_rank()
-        total = flat.clone()
-        dist.all_reduce(total)
-        size = flat.numel() // n
-        return total[rank * size:(rank + 1) * size] / n
-    """)
-    assert "you called dist.all_reduce" in messages[0], messages
+@pytest.mark.parametrize("call, expected", [
+    ("total = flat.clone()\n    dist.all_reduce(total)", "you called dist.all_reduce"),
+    ("total = torch.empty(flat.numel() // n)\n    dist.reduce_scatter_single(total, flat)",
+     "dist.reduce_scatter_single is the primitive you are building"),
+])
+def test_using_the_ready_made_collectives_is_named(call, expected):
+    messages = _messages("10.reduce_scatter", f"""
+def reduce_scatter_mean(flat):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    {call}
+    size = flat.numel() // n
+    return total[rank * size:(rank + 1) * size] / n
+""")
+    assert expected in messages[0], messages
 
 
 def test_sending_every_peer_the_whole_tensor_is_named_by_its_bytes():

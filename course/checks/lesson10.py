@@ -330,11 +330,7 @@ class ThreadWorld:
             "batch_isend_irecv": self.batch_isend_irecv, "P2POp": _P2POp,
         }
         for name in ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter"):
-            fns[name] = self._refuser(name)
-        for name in self.refuse:
-            if name in fns and name not in ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter",
-                                            "all_reduce"):
-                fns[name] = self._refuser(name)
+            fns[name] = self._refuser(name)     # not built here: an exercise that allows them would need them
         return fns
 
     @contextlib.contextmanager
@@ -1391,6 +1387,12 @@ def _profile_rank(rank, world_size, device, out_dir):
 def profile_sharded_step(device: str, out_dir: str) -> dict:
     """One sharded step (and the next forward) of a tiny GPT-2 on 2 gloo ranks on ``device``, rank 0
     under ``torch.profiler``; returns a summary of where the all-gathers ran and the trace's path."""
-    from hfstream.testing import run_on_ranks
+    from hfstream.testing import RankFailure, run_on_ranks
 
-    return run_on_ranks(_profile_rank, 2, device, out_dir, timeout=180, pg_timeout_s=60)[0]
+    try:
+        return run_on_ranks(_profile_rank, 2, device, out_dir, timeout=180, pg_timeout_s=60)[0]
+    except RankFailure as exc:
+        # Two ranks on one device need gloo to carry device tensors, which not every build does.
+        last = [ln.strip() for ln in str(exc).splitlines() if ln.strip()][-1]
+        return {"summary": f"the 2-rank sharded step on {device} did not run here (gloo with {device} tensors): "
+                           f"{last}", "trace": None}

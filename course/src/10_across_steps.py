@@ -132,8 +132,8 @@ show(rs_figure(rs, figure_path("10_reduce_scatter.png")))
 # On the simulated link the reduce-scatter takes about half an all-reduce, as its bytes say (the
 # black ticks): the simulation was built to make bytes decide. On the real loopback nothing was
 # built to decide, and the lines above give this run's numbers. Compare your bar with the purple
-# one: both move the same bytes with the same all-to-all, so a gap between them is memory work,
-# not the wire: a fresh N·S-element buffer on every call, one more pass to divide, one to sum.
+# one: both put the same bytes on the wire, so a gap between them is memory work, not the wire:
+# a fresh N·S-element buffer on every call, one more pass to divide, one to sum.
 # `GradSync(mode="sharded")` allocates its buffers once per bucket and sums in place; its
 # probe (`python -m hfstream.tools.bench.collectives`, docs/design.md section 7) is why it uses
 # all-to-all plus a local sum on gloo (gloo's own reduce-scatter costs a whole all-reduce there)
