@@ -109,6 +109,7 @@ def api_exists(spec):
     # END SOLUTION
 
 
+# Sort the claims with your checker: is_real = {claim: True or False for each claim in CLAIMS}
 # BEGIN SOLUTION
 is_real = {spec: api_exists(spec) for spec in CLAIMS}
 # END SOLUTION
