@@ -245,6 +245,7 @@ def test_a_slow_run_is_told_what_its_breakdown_shows(config, canned, words, monk
     assert results[1].passed
     assert not results[2].passed and words in results[2].message, results[2].message
     assert f"ceiling / step = {canned['efficiency']:.2f}" in results[2].message
+    assert not results[2].reveal and "min(caps" not in results[2].message
     assert len(calls) == 1              # far below the line: no second measurement
 
 
