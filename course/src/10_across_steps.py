@@ -303,8 +303,9 @@ check("10.gather_hook")
 # global norm and steps its slice: `optimizer/N`. Then the all-gathers go out, and the next
 # forward waits for each layer's just in time. Communication is one stream of transfers that
 # never has to stop at the step boundary: reduce-scatters under backward, all-gathers under the
-# optimizer and the next forward. When the link is not the bottleneck, the compute is the step;
-# when it is, the link is:
+# next forward (and, when the link is the bottleneck, on under the next backward, ahead of its
+# reduce-scatters). When the link is not the bottleneck, the compute is the step; when it is,
+# the link is:
 #
 # $$\text{step} \ge \max(\text{forward} + \text{backward} + \text{optimizer}/N,\ \text{comm})$$
 #
@@ -320,10 +321,11 @@ check("10.gather_hook")
 # `"overlap"` mode (lesson 06's buckets) and in `"sharded"` mode, with AdamW and clipping at
 # 1.0, each for a few consecutive steps, the two modes taking turns. The link is the same
 # **simulated** one as above (`WireLink`: bandwidth only, no latency), sized from this machine's
-# own compute so that one all-reduce of every gradient takes exactly `forward + backward`: the
-# point where DDP's ceiling is fully exposed and the sharded limit is compute-bound again.
-# DDP's best and the limit are computed from the measured forward, backward and optimizer
-# (without communication) and that `comm`.
+# own compute (a first look at it) so that one all-reduce of every gradient takes about
+# `forward + backward`: the point where DDP's ceiling is fully exposed and the sharded limit is
+# compute-bound again. DDP's best and the limit are computed from the forward, backward and
+# optimizer measured *without* communication, in the same rounds as the two modes, and that
+# `comm`.
 
 # %%
 from course.checks.lesson10 import measure_modes, modes_figure, timeline_figure
