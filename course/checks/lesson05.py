@@ -696,7 +696,7 @@ def measure_overlap(namespace: dict, steps: int = 6, link_ratio: float = 0.8) ->
 # A torch.profiler trace of one step whose hooks launch the all-reduces (the GPU cells of 05, 06)
 # =============================================================================================
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-COMM_MARK = ("nccl", "gloo:", "allreduce", "all_reduce")
+COMM_MARK = ("nccl", "gloo:", "allreduce", "all_reduce", "onerank")
 
 
 @contextlib.contextmanager
@@ -723,9 +723,9 @@ def one_rank_group(device: torch.device):
             os.remove(store_file)
 
 
-def _hook_launcher(model, buckets):
+def _hook_launcher(model, buckets, op=dist.ReduceOp.SUM):
     """Hooks that launch one asynchronous all-reduce per bucket (a list of lists of parameters), in
-    order, as soon as the head buckets are complete; returns (handles, works, finish)."""
+    order, as soon as the head buckets are complete; returns (handles, finish)."""
     pending = [len(b) for b in buckets]
     bucket_of = {p: i for i, b in enumerate(buckets) for p in b}
     state = {"next": 0}
@@ -734,10 +734,10 @@ def _hook_launcher(model, buckets):
     def launch(i):
         members = buckets[i]
         if len(members) == 1:
-            works.append((None, members, dist.all_reduce(members[0].grad, async_op=True)))
+            works.append((None, members, dist.all_reduce(members[0].grad, op=op, async_op=True)))
         else:
             flat = torch.cat([p.grad.reshape(-1) for p in members])
-            works.append((flat, members, dist.all_reduce(flat, async_op=True)))
+            works.append((flat, members, dist.all_reduce(flat, op=op, async_op=True)))
 
     def on_ready(param):
         pending[bucket_of[param]] -= 1
@@ -785,7 +785,10 @@ def trace_overlap_step(device: torch.device, path, bucket_mb: float = 0.0, dim: 
             torch.accelerator.synchronize()
 
     with one_rank_group(device) as backend:
-        handles, finish = _hook_launcher(model, buckets)
+        # NCCL skips an in-place sum over one rank (there is nothing to add) but runs an average
+        # (a kernel that scales by 1/N): AVG keeps the collective on the device, as with N ranks.
+        op = dist.ReduceOp.AVG if backend == "nccl" else dist.ReduceOp.SUM
+        handles, finish = _hook_launcher(model, buckets, op)
         try:
             for profiled in (False, True):           # the first step warms up (communicator, allocator)
                 ctx = profile(activities=list(torch.profiler.supported_activities())) if profiled \
@@ -831,7 +834,8 @@ def read_trace(path) -> dict:
 
     host_backward = span(marks[0])
     host_tid = marks[0].get("tid")
-    launches = [span(e) for e in events if e.get("name") == "c10d::allreduce_"]
+    launch_events = [e for e in events if e.get("name") == "c10d::allreduce_"]
+    launches = [span(e) for e in launch_events]
     is_comm = lambda e: any(m in e.get("name", "").lower() for m in COMM_MARK)   # noqa: E731
     backend_spans = [(e.get("tid"), span(e)) for e in events
                      if e.get("cat") == "user_annotation" and is_comm(e) and e.get("tid") != host_tid]
@@ -840,7 +844,11 @@ def read_trace(path) -> dict:
     # call that launched it carries the same correlation id.
     launched_at = {e.get("args", {}).get("correlation"): e["ts"] for e in events
                    if e.get("cat") in ("cuda_runtime", "cuda_driver", "runtime", "driver")}
-    comm_device = [e for e in device if is_comm(e)]
+    def launched_by_allreduce(e):   # its runtime launch happened inside a host c10d::allreduce_
+        t = launched_at.get(e.get("args", {}).get("correlation"))
+        return t is not None and any(a["ts"] <= t <= a["ts"] + a["dur"] for a in launch_events)
+
+    comm_device = [e for e in device if is_comm(e) or launched_by_allreduce(e)]
     comm_streams = {e.get("args", {}).get("stream") for e in comm_device}
     compute = [e for e in device if e.get("args", {}).get("stream") not in comm_streams]
     in_bwd = [e for e in compute

@@ -432,8 +432,12 @@ else:
     print(f"backend {found['backend']}, {found['buckets']} all-reduces (one per parameter); trace: {found['path']}")
     if bwd:
         print(f"backward's kernels on the device: {bwd[0]:.2f} to {bwd[1]:.2f} ms after loss.backward() started on the host")
-    print(f"{len(found['comm_device'])} all-reduce kernels on the device, {found['comm_before_backward_end']} of them "
-          f"starting before backward's last kernel ends")
+    if found["comm_device"]:
+        print(f"{len(found['comm_device'])} all-reduce kernels on the device, {found['comm_before_backward_end']} of "
+              f"them starting before backward's last kernel ends")
+    else:
+        print("no all-reduce kernel in the trace: this backend ran the one-rank reductions without the device; "
+              "the host lanes still show each launch from its hook")
     show(trace_figure(found, figure_path("05_trace.png"),
                       title="one step, profiled (real, not simulated): one-rank NCCL all-reduce per parameter"))
 
