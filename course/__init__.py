@@ -1,4 +1,4 @@
-"""The hfstream course: ten graded lessons from a single-stream baseline to overlapped data parallelism.
+"""The hfstream course: eleven graded lessons from a single-stream baseline to data parallelism across the step boundary.
 
 In a notebook: ``check("05.overlap_hook")``. From a shell: ``python -m course start|grade|progress|build``.
 """
