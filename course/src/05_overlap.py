@@ -308,8 +308,10 @@ print(f"  ceiling {sim['ceiling_ms']:.1f} ms (forward + max(backward, comm busy)
 # under overlap those threads run *while* autograd computes. With 2 ranks on a small machine
 # (the core count is printed above) there is no idle core to run them on, so they take their CPU
 # time from backward, and backward grows, by up to what the reductions cost alone (the cell
-# prints both). What overlap still saves is what the reductions spent *waiting* (for the other
-# rank, on the socket) rather than computing. On a GPU with NCCL the reduction runs on the device and the NIC, not on the cores
+# prints both). Part of that is paid per collective, whatever its size (each launch, each wake-up
+# of gloo's thread, on a core autograd was using), part per byte: lesson 06 is about the first
+# part. What overlap still saves is what the reductions spent *waiting* (for the other rank, on
+# the socket) rather than computing. On a GPU with NCCL the reduction runs on the device and the NIC, not on the cores
 # that run backward (its kernels do take a few of the GPU's SMs from compute): there, the
 # simulated picture below is the closer one.
 #

@@ -266,10 +266,12 @@ print(f"real loopback: best cap {best_real} MiB, {real[best_real]['step_ms']:.1f
 # **Backward is not the same at every cap**, although the model and the batch are: with gloo,
 # every reduction that overlaps backward is CPU work on gloo's threads, done on the cores that
 # run autograd (lesson 05 measured it), and the simulated link still runs the real reduction
-# underneath. With 2 ranks on a small machine, that work takes CPU time from backward, and the
-# shared machine adds its own noise: the next cell prints, per cap, how far backward moved from
-# the undisturbed one the link was sized from. On a GPU with NCCL the reduction runs on the
-# device and the NIC instead.
+# underneath. With 2 ranks on a small machine, that work takes CPU time from backward: part of it
+# per byte, part per collective (each launch, each wake-up of gloo's thread), so the more
+# collectives run beside backward, the more it grows. The next cell prints, per cap, how far
+# backward moved from the undisturbed one the link was sized from (compare cap 0 with 25 MiB; a
+# shared machine adds its own noise). On a GPU with NCCL the reduction runs on the device and
+# the NIC instead.
 #
 # **The step stays above the ceiling.** The ceiling (`forward + max(backward, comm busy) +
 # optimizer`) assumes every byte hides under backward. But the last bucket closes only when
@@ -278,8 +280,10 @@ print(f"real loopback: best cap {best_real} MiB, {real[best_real]['step_ms']:.1f
 # prints, per cap, the gap, the comm left after backward and the least time the last bucket needs
 # on this link.
 #
-# **The real loopback columns** are what this machine's own gloo does, nothing simulated: each
-# collective's fixed cost and the CPU work of the reductions, which lands partly on backward.
+# **The real loopback columns** are what this machine's own gloo does, nothing simulated. Bytes
+# are cheap there (memory copies, no wire), and each collective's fixed cost, paid on the cores
+# backward uses, is not: compare cap 0 with the largest caps, and the best cap on loopback
+# (printed above) with the best on the simulated link. Which cap is best depends on the link.
 
 # %%
 print(f"{'cap MiB':>12} {'step - ceiling':>15} {'exposed comm':>13} {'last bucket needs':>18} {'backward vs probe':>18}")
