@@ -210,19 +210,31 @@ def test_packing_a_missing_grad_is_named():
     assert failed[0].reveal == "", failed
 
 
-def test_leaving_an_unused_parameter_without_grad_is_named():
-    skip = FINISH.replace("                if p.grad is None:\n                    p.grad = torch.empty_like(p)\n"
-                          "                p.grad.copy_(", "                if p.grad is not None:\n"
-                          "                    p.grad.copy_(")
-    assert skip != FINISH
-    # Only the unused-parameter case: its in-process rehearsal finds this before any rank starts.
+PACK_ALL = "grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.buckets[b]]"
+GIVE_GRAD = "                if p.grad is None:\n                    p.grad = torch.empty_like(p)\n"
+
+
+@pytest.mark.parametrize("launch, finish, expected", [
+    # unpacking skips a parameter without .grad: rank 1's expert.weight stays None
+    (LAUNCH, FINISH.replace(GIVE_GRAD + "                p.grad.copy_(",
+                            "                if p.grad is not None:\n                    p.grad.copy_("),
+     "expert.weight has no .grad on rank 1"),
+    # unpacking assumes every parameter has a .grad
+    (LAUNCH, FINISH.replace(GIVE_GRAD, ""), "finish() crashed"),
+    # packing leaves a parameter without .grad out of the flat tensor
+    (LAUNCH.replace(PACK_ALL, "grads = [p.grad for p in self.buckets[b] if p.grad is not None]"), FINISH,
+     "was left out of its bucket's flat tensor"),
+])
+def test_a_parameter_without_grad_is_named_before_any_rank_starts(launch, finish, expected):
+    # Only the unused-parameter case: its in-process rehearsal finds these before any rank starts.
     from course.grading import Learner, get_exercise, run_case
 
+    assert launch != LAUNCH or finish != FINISH
     ex = get_exercise("06.bucketed_sync")
     case = next(c for c in ex.cases if c.title.startswith("a parameter without .grad"))
-    result = run_case(ex, case, Learner(run_cell(LEARNER_PREAMBLE + SYNC_HEAD + LAUNCH + ON_READY + skip), ex))
-    assert not result.passed and "expert.weight has no .grad on rank 1" in result.message, result
-    assert result.seconds < 5, result
+    result = run_case(ex, case, Learner(run_cell(LEARNER_PREAMBLE + SYNC_HEAD + launch + ON_READY + finish), ex))
+    assert not result.passed and expected in result.message, result
+    assert result.reveal == "" and result.seconds < 5, result
 
 
 def test_untouched_stubs_get_a_first_stage_hint_without_code():

@@ -384,8 +384,15 @@ def _diagnose_unused(fake: dict) -> Wrong | None:
     for rank in (0, 1):
         f = fake[rank]
         who = "expert.weight, which rank 1 did not use" if rank == 1 else "spare, which no rank uses"
+        launched, want = f["numels"], f["want"]
+        if launched != want[:len(launched)] or ("error" not in f and len(launched) != len(want)):
+            return Wrong(f"rank {rank} reduced flat tensors of {launched} elements, the plan's buckets hold {want}: a "
+                         f"parameter without .grad ({who}) was left out of its bucket's flat tensor. Then the slices "
+                         f"land in the wrong parameters, and where one rank used the parameter and the other did not, "
+                         f"the ranks reduce tensors of different sizes (gloo fails, or pairs the wrong elements). Pack "
+                         f"zeros in its place", reveal=PACK_REVEAL)
         if "error" in f and "NoneType" in f["error"]:
-            if f["where"] == "finish":
+            if f["where"] == "finish" and len(launched) == len(want):
                 return Wrong(f"rank {rank}: finish() crashed ({f['error']}) on a parameter with no .grad ({who}): its "
                              f"part of the mean has nowhere to go. Give such a parameter a .grad before writing its "
                              f"slice back", reveal=UNPACK_REVEAL)
@@ -395,11 +402,6 @@ def _diagnose_unused(fake: dict) -> Wrong | None:
         if "error" in f:
             return Wrong(f"rank {rank}, with a parameter that has no .grad ({who}): your code raised {f['error']}. "
                          f"Hint: {UNUSED_HINT}", reveal=PACK_REVEAL)
-        if f["numels"] != f["want"][:len(f["numels"])] or len(f["numels"]) != len(f["want"]):
-            return Wrong(f"rank {rank} reduced flat tensors of {f['numels']} elements, the plan's buckets hold "
-                         f"{f['want']}: a parameter without .grad ({who}) was left out of its bucket's flat tensor, so "
-                         f"the ranks reduce tensors of different sizes (gloo fails, or pairs the wrong elements). Pack "
-                         f"zeros in its place", reveal=PACK_REVEAL)
     if "expert.weight" in fake[1]["none_after"]:
         return Wrong("after finish(), expert.weight has no .grad on rank 1, although rank 0 used it: the mean (rank 0's "
                      "gradient over 2) belongs in every rank's .grad, or rank 1's optimizer skips the parameter and "
