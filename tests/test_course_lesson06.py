@@ -249,3 +249,10 @@ def test_untouched_stubs_get_a_first_stage_hint_without_code():
             assert not r.passed and "still raises NotImplementedError" in r.message, r
             assert not any(code in r.message for code in ("torch.cat", "view_as", "async_op", "2**20", ">=")), r
             assert r.reveal == "", r
+
+
+def test_the_code_of_the_plan_shows_only_from_the_third_failure():
+    wrong = PLAN_RIGHT.replace("reversed(list(named_params))", "list(named_params)")
+    first, second, third = (_failures("06.plan_buckets", wrong) for _ in range(3))
+    assert "reverse* registration order" in first[0].message and first[0].reveal == "", first
+    assert second[0].reveal == "" and "2**20" in third[0].reveal and third[0].failures == 3, (second, third)
