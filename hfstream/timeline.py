@@ -158,8 +158,8 @@ def format_report(summary: dict[str, Any], title: str = "hfstream step report") 
     rows = [("data wait", "data_wait_ms", "ms"), ("forward", "forward_ms", "ms"),
             ("backward", "backward_ms", "ms"), ("comm busy", "comm_busy_ms", "ms"),
             ("comm exposed", "exposed_comm_ms", "ms"),
-            ("  r-scatter", "reduce_scatter_busy_ms", "ms"), ("  exposed", "reduce_scatter_exposed_ms", "ms"),
-            ("  all-gather", "all_gather_busy_ms", "ms"), ("  exposed", "all_gather_exposed_ms", "ms"),
+            ("  RS busy", "reduce_scatter_busy_ms", "ms"), ("  RS exposed", "reduce_scatter_exposed_ms", "ms"),
+            ("  AG busy", "all_gather_busy_ms", "ms"), ("  AG exposed", "all_gather_exposed_ms", "ms"),
             ("optimizer", "optimizer_ms", "ms"),
             ("step", "step_ms", "ms"), ("ceiling", "ideal_ms", "ms"), ("cross-step", "cross_step_limit_ms", "ms"),
             ("efficiency", "efficiency", "%"), ("overlap", "overlap", "%")]
@@ -175,6 +175,7 @@ def format_report(summary: dict[str, Any], title: str = "hfstream step report") 
     if per_rank:
         lines.insert(1, f"  {'':<13}{'mean':>12}" + "".join(f"{'rank ' + str(i):>12}" for i in range(len(per_rank))))
     if sharded:
+        lines.append("  RS = reduce-scatter (in backward), AG = all-gather (the previous step's, behind the forward)")
         lines.append("  ceiling = forward + max(backward, comm busy) + optimizer (DDP's); cross-step = max(forward + "
                      "backward + optimizer, comm busy); efficiency = cross-step / step")
     else:

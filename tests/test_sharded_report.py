@@ -115,7 +115,7 @@ def test_sharded_report_shows_both_halves_and_the_cross_step_limit(sharded):
     # The forward that waited for the late gathers: the wait is exposed comm, not forward compute.
     late = sharded[0]["records"][3]
     assert late["all_gather_exposed_ms"] >= 0.6 * LATE_S * 1e3 and late["forward_ms"] < 0.5 * LATE_S * 1e3
-    assert "all-gather" in sharded[0]["report"] and "cross-step" in sharded[0]["report"]
+    assert "AG exposed" in sharded[0]["report"] and "cross-step" in sharded[0]["report"]
 
 
 def overlap_steps(rank, world_size):
@@ -129,7 +129,7 @@ def test_other_modes_have_no_all_gather_fields():
         rec = res["records"][-1]
         assert all(math.isnan(rec[k]) for k in ("all_gather_busy_ms", "reduce_scatter_busy_ms",
                                                 "cross_step_limit_ms"))
-        assert "all-gather" not in res["report"] and "cross-step" not in res["report"]
+        assert "AG busy" not in res["report"] and "cross-step" not in res["report"]
 
 
 def test_report_fields_of_a_sharded_record():
@@ -143,6 +143,6 @@ def test_report_fields_of_a_sharded_record():
     s = summarize([rec, rec], warmup=0)
     assert s["all_gather_exposed_ms"] == 5 and s["cross_step_limit_ms"] == 50
     text = format_report(s)
-    assert "all-gather" in text and "cross-step" in text and "r-scatter" in text
+    assert "AG exposed" in text and "RS busy" in text and "cross-step" in text
     plain = summarize([StepRecord(1, 0, 10, 20, 30, 5, 4, 50)], warmup=0)
     assert math.isnan(plain["cross_step_limit_ms"]) and "cross-step" not in format_report(plain)
