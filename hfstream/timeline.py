@@ -244,7 +244,8 @@ class StepTimeline:
     Spans ``(rank, lane, name, start, end)`` in host seconds, grouped per step, draw the
     timeline figure: lane
     ``data`` (waiting for a batch), ``compute`` (forward, backward, exposed comm, optimizer) and
-    ``comm`` (each bucket's reduction, from `GradSync`). On an accelerator, compute spans are
+    ``comm`` (each bucket's reduction, from `GradSync`; under ``mode="sharded"`` also the previous
+    step's all-gathers, ``gather i``). On an accelerator, compute spans are
     placed by their event offsets from the step's first mark.
 
     Args:

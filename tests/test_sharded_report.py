@@ -70,9 +70,18 @@ def sharded_steps(rank, world_size, mode="sharded", steps=4):
     return out
 
 
+def both_modes(rank, world_size):
+    return {"sharded": sharded_steps(rank, world_size), "overlap": sharded_steps(rank, world_size, "overlap", steps=2)}
+
+
 @pytest.fixture(scope="module")
-def sharded():
-    return run_on_ranks(sharded_steps, 2, timeout=120)
+def runs():
+    return run_on_ranks(both_modes, 2, timeout=120)   # one spawn for both modes: the default run stays fast
+
+
+@pytest.fixture(scope="module")
+def sharded(runs):
+    return [r["sharded"] for r in runs]
 
 
 @pytest.mark.multiprocess
@@ -118,13 +127,9 @@ def test_sharded_report_shows_both_halves_and_the_cross_step_limit(sharded):
     assert "AG exposed" in sharded[0]["report"] and "cross-step" in sharded[0]["report"]
 
 
-def overlap_steps(rank, world_size):
-    return sharded_steps(rank, world_size, mode="overlap", steps=2)
-
-
 @pytest.mark.multiprocess
-def test_other_modes_have_no_all_gather_fields():
-    for res in run_on_ranks(overlap_steps, 2, timeout=60):
+def test_other_modes_have_no_all_gather_fields(runs):
+    for res in (r["overlap"] for r in runs):
         assert all(math.isnan(s.gather_busy_ms) and s.num_gathers == 0 for s in res["stats"])
         rec = res["records"][-1]
         assert all(math.isnan(rec[k]) for k in ("all_gather_busy_ms", "reduce_scatter_busy_ms",

@@ -5,6 +5,7 @@ The command line of `hfstream bench` (``python -m hfstream.tools.bench`` takes t
     python -m hfstream.tools.bench --quick                               # < 2 min, simulated link (CI)
     sudo python -m hfstream.tools.bench --json bench.json                # shaped loopback, 2 ranks
     python -m hfstream.tools.bench --shaping simulated --rate-mbit 500 --modes serial,overlap
+    sudo python -m hfstream.tools.bench --n-layer 4 --modes serial,ddp-best,overlap-auto,fsdp2-best,sharded,sharded-best
 
 Run it on an otherwise idle machine: with one core per rank, any other job takes compute time
 from a rank. The ``cpu fwd/bwd`` column (the share of a core each rank's compute thread got)
