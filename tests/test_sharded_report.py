@@ -6,7 +6,8 @@ it (``add_comm_later(sync.stats_deferred())`` after ``finish()``, nothing else):
 - a step's stats carry the all-gathers the previous optimizer step launched: every bucket's,
   launched after that step and complete by this step's ``finish()``; none in the first step;
 - what the forward waited for them is measured: a peer that is 0.3 s late to its optimizer step
-  makes the other rank's forward wait about that long (and not its own);
+  makes the other rank's training forward wait about that long (and not its own); an
+  evaluation forward that waited instead is not counted;
 - the report gains reduce-scatter and all-gather busy/exposed and the cross-step limit, whose
   parts still add up to the step; other modes show none of them (NaN, not printed).
 """
@@ -32,7 +33,7 @@ def _model():
     return nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
 
 
-def sharded_steps(rank, world_size, mode="sharded", steps=4):
+def sharded_steps(rank, world_size, mode="sharded", steps=5):
     model = _model()
     sync = GradSync(model, mode=mode, bucket_mb=0.01)   # 0.01 MiB: one bucket per layer
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -55,13 +56,18 @@ def sharded_steps(rank, world_size, mode="sharded", steps=4):
         timeline.add_comm_later(sync.stats_deferred(), (t0, time.perf_counter()))
         deferred.append(sync.stats_deferred())
         timeline.optimizer_start()
-        if rank == 1 and step == 2:
-            time.sleep(LATE_S)   # rank 0's gathers of step 2 cannot complete before rank 1 launches them
+        if rank == 1 and step in (2, 3):
+            time.sleep(LATE_S)   # rank 0's gathers of this step cannot complete before rank 1 launches them
         t_step = time.perf_counter()
         opt.step()
         opt.zero_grad()
         out["step_times"].append((t_step, time.perf_counter()))
         timeline.end_step()
+        if step == 3:
+            model.eval()       # an evaluation forward between steps absorbs the wait for step 3's gathers
+            with torch.no_grad():
+                model(x)
+            model.train()
         out["finish_entered"] = out.get("finish_entered", []) + [t0]
     out["stats"] = [d() for d in deferred]   # resolved after the fact, as the Trainer's report does
     out["records"] = [r.as_dict() for r in timeline.records]
@@ -107,6 +113,9 @@ def test_the_forwards_wait_for_a_late_peers_gathers_is_exposed_time(sharded):
     assert r0["stats"][3].gather_busy_ms >= 0.6 * LATE_S * 1e3
     assert r1["stats"][3].gather_exposed_ms < 0.5 * LATE_S * 1e3   # its own gathers found the peer ready
     assert r0["stats"][2].gather_exposed_ms < 0.5 * LATE_S * 1e3
+    # Step 3's gathers were as late, but an evaluation forward waited for them: not step 4's time.
+    assert r0["stats"][4].gather_busy_ms >= 0.6 * LATE_S * 1e3
+    assert r0["stats"][4].gather_exposed_ms < 0.5 * LATE_S * 1e3
 
 
 @pytest.mark.multiprocess

@@ -235,9 +235,10 @@ class ShardedBuckets:
             sh.gather = collectives.launch_all_gather(sh.gathered, sh.master, self.sync.process_group)
             recorder.gather_launched(sh.timing, sh.gather)
 
-    def _before_forward(self, indices: list[int], _module, _args) -> None:
+    def _before_forward(self, indices: list[int], module, _args) -> None:
+        # A training forward's wait is the step's all-gather exposed time; an evaluation's is not.
         for i in indices:
-            self.wait_bucket(self.sync._where[i][0], exposed=True)
+            self.wait_bucket(self.sync._where[i][0], exposed=module.training)
 
     def wait_bucket(self, st, exposed: bool = False) -> None:
         """Wait for ``st``'s all-gather (if any) and copy the gathered values into its parameters.
