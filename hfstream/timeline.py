@@ -6,6 +6,15 @@ Only backward can hide communication, so the per-step ceiling (docs/design.md se
 
     ideal = forward + max(backward, comm_busy) + optimizer          (data fully hidden)
 
+Under ``grad_sync="sharded"`` the all-gather of the parameters runs behind the next forward,
+so the step's limit crosses the step boundary (docs/design.md section 7):
+
+    cross_step_limit = max(forward + backward + optimizer, comm_busy)   (optimizer: this rank's 1/N)
+
+There communication is two parts, each busy and exposed: the reduce-scatters in backward (waited
+in ``finish()``) and the previous step's all-gathers (waited by the forward's pre-hooks: that
+wait is taken out of forward and counted as exposed communication).
+
 Times come from `time.perf_counter` on CPU and from timing events on the compute stream of an
 accelerator (resolved lazily, when a report is asked for, so measuring never forces a sync).
 Data wait is always a host time: it is the time the host could not launch work.
@@ -24,14 +33,23 @@ import torch
 
 FIELDS = (
     "data_wait_ms", "forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms",
-    "optimizer_ms", "step_ms", "ideal_ms", "efficiency", "overlap",
+    "reduce_scatter_busy_ms", "reduce_scatter_exposed_ms", "all_gather_busy_ms", "all_gather_exposed_ms",
+    "optimizer_ms", "step_ms", "ideal_ms", "cross_step_limit_ms", "efficiency", "overlap",
 )
+SHARDED_FIELDS = ("reduce_scatter_busy_ms", "reduce_scatter_exposed_ms", "all_gather_busy_ms",
+                  "all_gather_exposed_ms", "cross_step_limit_ms")   # NaN outside grad_sync="sharded"
 
 
 @dataclass
 class StepRecord:
     """One optimizer step, in milliseconds. ``comm_busy_ms`` is NaN where it is not measured
-    (native DDP hides its reductions from us), and then so is ``overlap``."""
+    (native DDP hides its reductions from us), and then so is ``overlap``.
+
+    ``all_gather_busy_ms``/``all_gather_exposed_ms`` are measured under ``grad_sync="sharded"``
+    only (NaN otherwise); there ``comm_busy_ms`` and ``exposed_comm_ms`` are the sums of both
+    halves, the reduce-scatter's being the rest, and the ceiling of the mode is
+    ``cross_step_limit_ms`` (``efficiency`` is taken against it).
+    """
 
     step: int
     data_wait_ms: float
@@ -41,6 +59,12 @@ class StepRecord:
     exposed_comm_ms: float
     optimizer_ms: float
     step_ms: float
+    all_gather_busy_ms: float = math.nan
+    all_gather_exposed_ms: float = math.nan
+
+    @property
+    def sharded(self) -> bool:
+        return not math.isnan(self.all_gather_busy_ms)
 
     @property
     def ideal_ms(self) -> float:
@@ -48,8 +72,23 @@ class StepRecord:
         return self.forward_ms + max(self.backward_ms, comm) + self.optimizer_ms
 
     @property
+    def cross_step_limit_ms(self) -> float:
+        if not self.sharded:
+            return math.nan
+        return max(self.forward_ms + self.backward_ms + self.optimizer_ms, self.comm_busy_ms)
+
+    @property
+    def reduce_scatter_busy_ms(self) -> float:
+        return self.comm_busy_ms - self.all_gather_busy_ms if self.sharded else math.nan
+
+    @property
+    def reduce_scatter_exposed_ms(self) -> float:
+        return self.exposed_comm_ms - self.all_gather_exposed_ms if self.sharded else math.nan
+
+    @property
     def efficiency(self) -> float:
-        return self.ideal_ms / self.step_ms if self.step_ms > 0 else math.nan
+        ceiling = self.cross_step_limit_ms if self.sharded else self.ideal_ms
+        return ceiling / self.step_ms if self.step_ms > 0 else math.nan
 
     @property
     def overlap(self) -> float:
@@ -59,7 +98,10 @@ class StepRecord:
 
     def as_dict(self) -> dict[str, float]:
         d = asdict(self)
-        d.update(ideal_ms=self.ideal_ms, efficiency=self.efficiency, overlap=self.overlap)
+        d.update(ideal_ms=self.ideal_ms, cross_step_limit_ms=self.cross_step_limit_ms,
+                 reduce_scatter_busy_ms=self.reduce_scatter_busy_ms,
+                 reduce_scatter_exposed_ms=self.reduce_scatter_exposed_ms,
+                 efficiency=self.efficiency, overlap=self.overlap)
         return d
 
 
@@ -68,13 +110,15 @@ def _nanmean(values: Iterable[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-TIMES = FIELDS[:7]   # the measured parts; the rest of FIELDS is derived from them
+# The measured parts (StepRecord's fields); the rest of FIELDS is derived from them.
+TIMES = ("data_wait_ms", "forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms", "optimizer_ms", "step_ms",
+         "all_gather_busy_ms", "all_gather_exposed_ms")
 
 
 def _mean_breakdown(rows: list[dict[str, float]], steps: float) -> dict[str, float]:
     """Average the times of ``rows``; the ratios (ceiling, efficiency, overlap) are recomputed from
     the averaged times, not averaged themselves, so ``ideal_ms / step_ms == efficiency`` holds."""
-    avg = StepRecord(step=0, **{f: _nanmean(r[f] for r in rows) for f in TIMES})
+    avg = StepRecord(step=0, **{f: _nanmean(r.get(f, math.nan) for r in rows) for f in TIMES})
     out = avg.as_dict()
     out.pop("step")
     out["steps"] = steps
@@ -113,17 +157,29 @@ def format_report(summary: dict[str, Any], title: str = "hfstream step report") 
 
     rows = [("data wait", "data_wait_ms", "ms"), ("forward", "forward_ms", "ms"),
             ("backward", "backward_ms", "ms"), ("comm busy", "comm_busy_ms", "ms"),
-            ("comm exposed", "exposed_comm_ms", "ms"), ("optimizer", "optimizer_ms", "ms"),
-            ("step", "step_ms", "ms"), ("ceiling", "ideal_ms", "ms"),
+            ("comm exposed", "exposed_comm_ms", "ms"),
+            ("  RS busy", "reduce_scatter_busy_ms", "ms"), ("  RS exposed", "reduce_scatter_exposed_ms", "ms"),
+            ("  AG busy", "all_gather_busy_ms", "ms"), ("  AG exposed", "all_gather_exposed_ms", "ms"),
+            ("optimizer", "optimizer_ms", "ms"),
+            ("step", "step_ms", "ms"), ("ceiling", "ideal_ms", "ms"), ("cross-step", "cross_step_limit_ms", "ms"),
             ("efficiency", "efficiency", "%"), ("overlap", "overlap", "%")]
+    everywhere = [mean, *(per_rank or ())]
+    sharded = any(not math.isnan(r.get("all_gather_busy_ms", math.nan)) for r in everywhere)
     for label, key, unit in rows:
+        if key in SHARDED_FIELDS and not sharded:
+            continue   # other modes have no all-gather: the rows are not shown
         cells = [fmt(mean.get(key, math.nan), unit)]
         if per_rank:
             cells += [fmt(r.get(key, math.nan), unit) for r in per_rank]
         lines.append(f"  {label:<13}" + "".join(f"{c:>12}" for c in cells))
     if per_rank:
         lines.insert(1, f"  {'':<13}{'mean':>12}" + "".join(f"{'rank ' + str(i):>12}" for i in range(len(per_rank))))
-    lines.append("  ceiling = forward + max(backward, comm busy) + optimizer; efficiency = ceiling / step")
+    if sharded:
+        lines.append("  RS = reduce-scatter (in backward), AG = all-gather (the previous step's, behind the forward)")
+        lines.append("  ceiling = forward + max(backward, comm busy) + optimizer (DDP's); cross-step = max(forward + "
+                     "backward + optimizer, comm busy); efficiency = cross-step / step")
+    else:
+        lines.append("  ceiling = forward + max(backward, comm busy) + optimizer; efficiency = ceiling / step")
     for note in summary.get("notes") or ():
         lines.append(f"  note: {note}")
     return "\n".join(lines)
@@ -164,6 +220,8 @@ class _PendingStep:
     comm_spans: list = field(default_factory=list)   # (name, start, end) host seconds
     exposed_spans: list = field(default_factory=list)
     comm_later: list = field(default_factory=list)   # functions returning SyncStats, called at resolve()
+    gather_busy_ms: float = math.nan     # grad_sync="sharded": the previous step's all-gathers
+    gather_exposed_ms: float = math.nan
 
 
 class Span(tuple):
@@ -186,7 +244,8 @@ class StepTimeline:
     Spans ``(rank, lane, name, start, end)`` in host seconds, grouped per step, draw the
     timeline figure: lane
     ``data`` (waiting for a batch), ``compute`` (forward, backward, exposed comm, optimizer) and
-    ``comm`` (each bucket's reduction, from `GradSync`). On an accelerator, compute spans are
+    ``comm`` (each bucket's reduction, from `GradSync`; under ``mode="sharded"`` also the previous
+    step's all-gathers, ``gather i``). On an accelerator, compute spans are
     placed by their event offsets from the step's first mark.
 
     Args:
@@ -236,19 +295,20 @@ class StepTimeline:
         self._fwd = None
 
     def add_comm(self, comm_busy_ms: float, exposed_comm_ms: float, bucket_spans=(),
-                 exposed_span: tuple[float, float] | None = None) -> None:
+                 exposed_span: tuple[float, float] | None = None, gather_busy_ms: float = math.nan,
+                 gather_exposed_ms: float = math.nan, gather_spans=()) -> None:
         """Communication measured by `GradSync` for this step.
 
         Args:
-            comm_busy_ms, exposed_comm_ms: from ``GradSync.stats``.
+            comm_busy_ms, exposed_comm_ms: from ``GradSync.stats`` (the backward reductions).
             bucket_spans: ``(bucket index, launch, finish)`` in perf_counter seconds.
             exposed_span: the host interval the step spent waiting in ``finish()``.
+            gather_busy_ms, gather_exposed_ms, gather_spans: ``mode="sharded"``: the previous
+                step's parameter all-gathers, and what this step's forward waited for them.
         """
         if self._cur is not None:
-            busy = self._cur.comm_busy_ms
-            self._cur.comm_busy_ms = comm_busy_ms if math.isnan(busy) else busy + comm_busy_ms
-            self._cur.exposed_comm_ms += exposed_comm_ms
-            self._cur.comm_spans.extend((f"bucket {i}", t0, t1) for i, t0, t1 in bucket_spans)
+            _add_comm(self._cur, comm_busy_ms, exposed_comm_ms, bucket_spans, gather_busy_ms, gather_exposed_ms,
+                      gather_spans)
             if exposed_span is not None:
                 self._cur.exposed_spans.append(exposed_span)
 
@@ -284,10 +344,9 @@ class StepTimeline:
         for p in self._pending:
             for resolve in p.comm_later:
                 stats = resolve()
-                busy = p.comm_busy_ms
-                p.comm_busy_ms = stats.comm_busy_ms if math.isnan(busy) else busy + stats.comm_busy_ms
-                p.exposed_comm_ms += stats.exposed_comm_ms
-                p.comm_spans.extend((f"bucket {i}", t0, t1) for i, t0, t1 in stats.bucket_spans)
+                _add_comm(p, stats.comm_busy_ms, stats.exposed_comm_ms, stats.bucket_spans,
+                          getattr(stats, "gather_busy_ms", math.nan), getattr(stats, "gather_exposed_ms", math.nan),
+                          getattr(stats, "gather_spans", ()))
             p.comm_later.clear()
             fwd = sum(ms(f0, f1) for f0, f1, _ in p.micro)
             bwd = sum(ms(f1, b1) for _, f1, b1 in p.micro)
@@ -298,13 +357,20 @@ class StepTimeline:
             # The wait in finish() also packs buckets launched late and copies results back:
             # sync work, not communication. Whatever of it exceeds the reductions' own busy time
             # is counted with backward, so that exposed <= busy holds and the parts still sum up.
-            exposed = p.exposed_comm_ms
-            if not math.isnan(p.comm_busy_ms) and exposed > p.comm_busy_ms:
-                bwd, exposed = bwd + exposed - p.comm_busy_ms, p.comm_busy_ms
+            exposed, busy = p.exposed_comm_ms, p.comm_busy_ms
+            if not math.isnan(busy) and exposed > busy:
+                bwd, exposed = bwd + exposed - busy, busy
+            gather_busy, gather_exposed = p.gather_busy_ms, p.gather_exposed_ms
+            if not math.isnan(gather_busy):
+                # The pre-hooks' waits ran inside the forward: communication, not forward compute.
+                gather_exposed = min(gather_exposed, fwd)
+                fwd -= gather_exposed
+                busy, exposed = busy + gather_busy, exposed + gather_exposed
             self.records.append(StepRecord(
                 step=p.step, data_wait_ms=p.data_wait_ms, forward_ms=fwd, backward_ms=bwd,
-                comm_busy_ms=p.comm_busy_ms, exposed_comm_ms=exposed,
+                comm_busy_ms=busy, exposed_comm_ms=exposed,
                 optimizer_ms=ms(opt_start, p.end), step_ms=step_ms,
+                all_gather_busy_ms=gather_busy, all_gather_exposed_ms=gather_exposed,
             ))
             self._add_spans(p, opt_start)
         self._pending.clear()
@@ -335,6 +401,18 @@ class StepTimeline:
         self.resolve()
         recs = [r for r in self.records if since_step is None or r.step > since_step]
         return summarize(recs, warmup=warmup if since_step is None else 0)
+
+
+def _add_comm(p: _PendingStep, busy_ms, exposed_ms, bucket_spans, gather_busy_ms, gather_exposed_ms,
+              gather_spans) -> None:
+    """Add one `SyncStats`' numbers to a step (NaN, where not measured, stays NaN until a number comes)."""
+    plus = lambda a, b: b if math.isnan(a) else (a if math.isnan(b) else a + b)  # noqa: E731
+    p.comm_busy_ms = plus(p.comm_busy_ms, busy_ms)
+    p.exposed_comm_ms += exposed_ms
+    p.comm_spans.extend((f"bucket {i}", t0, t1) for i, t0, t1 in bucket_spans)
+    p.gather_busy_ms = plus(p.gather_busy_ms, gather_busy_ms)
+    p.gather_exposed_ms = plus(p.gather_exposed_ms, gather_exposed_ms)
+    p.comm_spans.extend((f"gather {i}", t0, t1) for i, t0, t1 in gather_spans)
 
 
 class StreamReport(dict):

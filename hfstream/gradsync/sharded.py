@@ -51,6 +51,7 @@ class BucketShard:
         tensors: ``(group, tensor)`` the optimizer steps: views of ``master``, with ``.grad``
             views of ``grad``.
         gather: the all-gather in flight, until `write_back` (None otherwise).
+        timing: that gather's times for the step report (`stats.StatsRecorder.gather_launching`).
     """
 
     def __init__(self, st, group_of: list[int], world_size: int, rank: int, local_sum: bool):
@@ -86,6 +87,7 @@ class BucketShard:
             t = self.master[a:b].detach().requires_grad_()   # a leaf the optimizer updates in place
             self.tensors.append((g, t))
         self.gather = None
+        self.timing = None   # the gather's launch/completion times (`stats`)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -139,6 +141,7 @@ class ShardedBuckets:
         shard_optim.install(optimizer, self.sync._states)
         self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step_done()))
         self._hook_modules()
+        self.sync._recorder.record_gathers()   # each step's stats carry the previous step's gathers
 
     def _build(self, states) -> None:
         index = {id(p): i for i, (_, p) in enumerate(self.sync._named)}
@@ -223,21 +226,33 @@ class ShardedBuckets:
     # -- the second half: parameters ----------------------------------------------------------------
     def step_done(self) -> None:
         """After ``optimizer.step()``: launch every bucket's all-gather, in forward order (reverse plan)."""
+        recorder = self.sync._recorder
         for st in reversed(self.sync._states):
             self.wait_bucket(st)   # two steps without a forward between them
-            st.shard.gather = collectives.launch_all_gather(st.shard.gathered, st.shard.master, self.sync.process_group)
+            device = st.plan.device
+            sh = st.shard
+            sh.timing = recorder.gather_launching(st.plan.index, device, events=device in self.sync._streams)
+            sh.gather = collectives.launch_all_gather(sh.gathered, sh.master, self.sync.process_group)
+            recorder.gather_launched(sh.timing, sh.gather)
 
-    def _before_forward(self, indices: list[int], _module, _args) -> None:
+    def _before_forward(self, indices: list[int], module, _args) -> None:
+        # A training forward's wait is the step's all-gather exposed time; an evaluation's is not.
         for i in indices:
-            self.wait_bucket(self.sync._where[i][0])
+            self.wait_bucket(self.sync._where[i][0], exposed=module.training)
 
-    def wait_bucket(self, st) -> None:
-        """Wait for ``st``'s all-gather (if any) and copy the gathered values into its parameters."""
+    def wait_bucket(self, st, exposed: bool = False) -> None:
+        """Wait for ``st``'s all-gather (if any) and copy the gathered values into its parameters.
+
+        ``exposed``: the forward waits here (a pre-hook), so the wait is what the step report
+        shows as all-gather exposed time (host time, or the compute stream's stall from events).
+        """
         sh = st.shard
         if sh is None or sh.gather is None:
             return
         work, sh.gather = sh.gather, None
         timeout_s = self.sync.timeout_s
+        recorder, device = self.sync._recorder, st.plan.device
+        entered = recorder.wait_entered(device, events=device in self.sync._streams) if exposed else None
         try:
             if faults.backend_enforces_timeout(self.sync.process_group):
                 work.wait()
@@ -250,6 +265,9 @@ class ShardedBuckets:
                 f"(parameters {', '.join(st.plan.names[:6])}) did not complete: a peer rank died, stopped, or did "
                 f"not call optimizer.step() on its sharded optimizer; the model holds the previous step's values "
                 f"for these parameters. Underlying error: {exc}") from exc
+        if entered is not None:
+            recorder.wait_left(device, entered)
+        sh.timing.waited = True
         sh.write_back()
 
     def wait_for_params(self) -> None:

@@ -3,10 +3,16 @@
 The step report and the timeline read `SyncStats` (docs/design.md section 4). On CPU the
 spans are host times (``time.perf_counter``). On an accelerator they come from timing events,
 resolved only when ``GradSync.stats`` is read, so recording never forces the host to wait.
+
+Under ``mode="sharded"`` a step's stats also carry the all-gathers that the *previous*
+optimizer step launched: those are the ones this step's forward waited for, so their exposed
+time lies inside this step. Every one of them has been waited for by the end of this step's
+``finish()`` (the forward's pre-hooks, or the launch of the bucket that reuses the buffer).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -28,6 +34,12 @@ class SyncStats:
         bucket_spans: ``(bucket index, launch time, finish time)`` in ``time.perf_counter()``
             seconds, in launch order. On an accelerator a span's length comes from device
             events and is placed at the host time the first bucket was launched.
+        gather_busy_ms: ``mode="sharded"``: time at least one of the previous step's parameter
+            all-gathers was in flight (from ``optimizer.step()`` to each one's completion); NaN
+            in the other modes, 0 before the first optimizer step.
+        gather_exposed_ms: ``mode="sharded"``: time the forward pre-hooks waited for those
+            all-gathers (on an accelerator: the compute stream's stall, from events); NaN otherwise.
+        num_gathers, gather_spans: those all-gathers, as ``num_collectives``/``bucket_spans``.
     """
 
     comm_busy_ms: float = 0.0
@@ -35,6 +47,10 @@ class SyncStats:
     num_collectives: int = 0
     launched_in_backward: int = 0
     bucket_spans: list[tuple[int, float, float]] = field(default_factory=list)
+    gather_busy_ms: float = math.nan
+    gather_exposed_ms: float = math.nan
+    num_gathers: int = 0
+    gather_spans: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -61,7 +77,15 @@ class StatsRecorder:
     """
 
     def __init__(self):
-        self._last = _StepTimes([], 0.0, {}, 0)
+        self._last = _StepTimes([], 0.0, {}, 0, None)
+        # mode="sharded": the all-gathers launched since the last finish() and the forward's waits for them.
+        self._gathers: list[_Gather] | None = None
+        self._gather_waits: list = []
+
+    def record_gathers(self) -> None:
+        """From now on each step's stats carry the parameter all-gathers (``mode="sharded"``)."""
+        if self._gathers is None:
+            self._gathers = []
 
     @staticmethod
     def launched(st, stream) -> None:
@@ -97,9 +121,52 @@ class StatsRecorder:
         launches = [(st.plan.index, st.plan.device, st.launch_time, st.end_time, st.start_event, st.end_event)
                     for st in launched_states]
         early = sum(1 for st in launched_states if st.launch_time is not None and st.launch_time < t_enter)
-        self._last = _StepTimes(launches, (t_done - t_enter) * 1e3, waits, early)
-        if not waits:
+        gathers = None
+        if self._gathers is not None:
+            # Every gather launched since the last finish() has been waited for by now (forward
+            # pre-hooks, or the launch of its bucket): its completion callback is due at once.
+            done = [g for g in self._gathers if g.waited]
+            for g in done:
+                g.done.wait()
+            gathers = (done, self._gather_waits)
+            self._gathers, self._gather_waits = [g for g in self._gathers if not g.waited], []
+        self._last = _StepTimes(launches, (t_done - t_enter) * 1e3, waits, early, gathers)
+        on_device = gathers is not None and any(g.start_event is not None for g in gathers[0])
+        if not waits and not on_device:
             self._last.resolve()   # host times only: nothing to wait for
+
+    # -- mode="sharded": the all-gathers after the step, and the forward's waits for them ----------
+    @staticmethod
+    def gather_launching(index: int, device, events: bool) -> "_Gather":
+        """An all-gather is about to be issued (after ``optimizer.step()``): note when (host) and, with ``events``, an event."""
+        g = _Gather(index, device)
+        if events:
+            g.start_event = streams.new_event(device, enable_timing=True)
+            g.start_event.record(streams.current_stream(device))
+        g.launch_time = time.perf_counter()
+        return g
+
+    def gather_launched(self, g: "_Gather", work) -> None:
+        g.done = work.get_future().then(g.completed)
+        self._gathers.append(g)
+
+    @staticmethod
+    def wait_entered(device, events: bool):
+        """Before a forward pre-hook waits for a gather: host time, or (``events``) an event on the compute stream."""
+        if events:
+            ev = streams.new_event(device, enable_timing=True)
+            ev.record(streams.current_stream(device))
+            return ev
+        return time.perf_counter()
+
+    def wait_left(self, device, entered) -> None:
+        """After that wait: the host's wait (CPU), or the compute stream's stall (events, resolved later)."""
+        if isinstance(entered, float):
+            self._gather_waits.append((time.perf_counter() - entered) * 1e3)
+        else:
+            after = streams.new_event(device, enable_timing=True)
+            after.record(streams.current_stream(device))
+            self._gather_waits.append((entered, after))
 
     @property
     def stats(self) -> SyncStats:
@@ -115,29 +182,55 @@ class StatsRecorder:
         return self._last.resolve
 
 
+class _Gather:
+    """One parameter all-gather: launch and completion (host times, or device events)."""
+
+    def __init__(self, index: int, device):
+        self.index, self.device = index, device
+        self.launch_time = self.end_time = self.start_event = self.end_event = self.done = None
+        self.waited = False   # its work was waited for (set by `sharded`)
+
+    def completed(self, _future=None) -> None:
+        # As StatsRecorder.completed: on an accelerator the current stream here follows the collective.
+        if self.start_event is not None:
+            self.end_event = streams.new_event(self.device, enable_timing=True)
+            self.end_event.record(streams.current_stream(self.device))
+        else:
+            self.end_time = time.perf_counter()
+
+
+def _device_spans(rows) -> list[tuple[int, float, float]]:
+    """``(index, device, launch, end, start_event, end_event)`` -> ``(index, start, end)`` host seconds.
+
+    Device spans are measured from the device's first start event and placed at the host time of
+    that first launch: lengths and gaps are device times, the anchor is the host's.
+    """
+    anchors: dict = {}
+    spans = []
+    for index, device, launched, ended, start, end in rows:
+        if start is None:
+            spans.append((index, launched, ended))
+            continue
+        end.synchronize()   # elapsed_time needs both events completed
+        t0, ref = anchors.setdefault(device, (launched, start))
+        spans.append((index, t0 + ref.elapsed_time(start) / 1e3, t0 + ref.elapsed_time(end) / 1e3))
+    return spans
+
+
 class _StepTimes:
     """One step's raw timings; `resolve` turns them into `SyncStats` once (then cached)."""
 
-    def __init__(self, launches: list, host_exposed_ms: float, waits: dict, launched_in_backward: int):
-        self._raw = (launches, host_exposed_ms, waits)
+    def __init__(self, launches: list, host_exposed_ms: float, waits: dict, launched_in_backward: int,
+                 gathers: tuple[list, list] | None):
+        self._raw = (launches, host_exposed_ms, waits, gathers)
         self.launched_in_backward = launched_in_backward
         self._stats: SyncStats | None = None
 
     def resolve(self) -> SyncStats:
         if self._stats is not None:
             return self._stats
-        launches, host_exposed_ms, waits = self._raw
-        # Device spans are measured from the device's first start event and placed at the host
-        # time of that first launch: lengths and gaps are device times, the anchor is the host's.
-        anchors: dict = {}
-        spans = []
-        for index, device, launched, ended, start, end in launches:
-            if start is None:
-                spans.append((index, launched, ended))
-                continue
-            end.synchronize()   # elapsed_time needs both events completed
-            t0, ref = anchors.setdefault(device, (launched, start))
-            spans.append((index, t0 + ref.elapsed_time(start) / 1e3, t0 + ref.elapsed_time(end) / 1e3))
+        launches, host_exposed_ms, waits, gathers = self._raw
+        spans = _device_spans(launches)
         exposed = host_exposed_ms
         if waits:   # what the compute stream(s) spent waiting, not what the host spent queueing
             for _, after in waits.values():
@@ -150,5 +243,19 @@ class _StepTimes:
             launched_in_backward=self.launched_in_backward,
             bucket_spans=spans,
         )
+        if gathers is not None:
+            launched, gather_waits = gathers
+            gspans = _device_spans([(g.index, g.device, g.launch_time, g.end_time, g.start_event, g.end_event)
+                                    for g in launched])
+            waited = 0.0
+            for w in gather_waits:
+                if isinstance(w, tuple):
+                    w[1].synchronize()
+                    w = w[0].elapsed_time(w[1])
+                waited += w
+            self._stats.gather_busy_ms = union_length([(a, b) for _, a, b in gspans]) * 1e3
+            self._stats.gather_exposed_ms = waited
+            self._stats.num_gathers = len(gspans)
+            self._stats.gather_spans = gspans
         self._raw = None   # the events are no longer needed
         return self._stats

@@ -113,7 +113,7 @@ def plot_timeline(spans: Sequence[Sequence[Any]], path: str | os.PathLike,
 
 
 def plot_plan(doc: dict[str, Any], path: str | os.PathLike, title: str | None = None) -> Path:
-    """Step time with and without overlap, and the ceiling, against world size (log x).
+    """Step time serial, overlapped and sharded, the ceiling and the cross-step limit, against world size (log x).
 
     ``doc`` is a `hfstream.tools.plan.plan` document.
     """
@@ -123,6 +123,10 @@ def plot_plan(doc: dict[str, Any], path: str | os.PathLike, title: str | None = 
     ax.plot(n, [r["step_serial_ms"] for r in rows], "o-", color="#c44e52", label="step, serial (no overlap)")
     ax.plot(n, [r["step_overlap_ms"] for r in rows], "s-", color="#4c72b0", label="step, overlap")
     ax.plot(n, [r["ideal_ms"] for r in rows], "k--", label="ceiling: fwd + max(bwd, comm) + opt")
+    if rows and "step_sharded_ms" in rows[0]:
+        ax.plot(n, [r["step_sharded_ms"] for r in rows], "^-", color="#8172b2", label="step, sharded")
+        ax.plot(n, [r["cross_step_limit_ms"] for r in rows], "-.", color="#8172b2",
+                label="cross-step limit: max(fwd + bwd + opt/N, comm)")
     ax.plot(n, [r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"] for r in rows], ":", color="#55a868",
             label="compute only")
     limit = doc["overlap_incomplete_from"]

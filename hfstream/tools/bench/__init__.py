@@ -2,8 +2,10 @@
 
 `hfstream bench` trains the same small GPT-2-style model on the same random tokens, with the
 same gloo ranks over the same slow link (a ``tc tbf``-shaped loopback as root, else a simulated
-link), once per mode: GradSync serial and overlap, DDP at its default and best bucket sizes,
-and the ceiling, forward + max(backward, comm busy) + optimizer (docs/design.md section 4).
+link), once per mode: GradSync serial, overlap and sharded, DDP at its default and best bucket
+sizes, FSDP2, the ceiling, forward + max(backward, comm busy) + optimizer (docs/design.md
+section 4), and the sharded modes' cross-step limit (section 7), with each mode's optimizer
+state per rank.
 On CPU only the ratios mean something. `hfstream bench-prefetch` and `hfstream soak` measure
 the data side and long-run stability.
 

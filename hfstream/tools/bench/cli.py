@@ -5,6 +5,7 @@ The command line of `hfstream bench` (``python -m hfstream.tools.bench`` takes t
     python -m hfstream.tools.bench --quick                               # < 2 min, simulated link (CI)
     sudo python -m hfstream.tools.bench --json bench.json                # shaped loopback, 2 ranks
     python -m hfstream.tools.bench --shaping simulated --rate-mbit 500 --modes serial,overlap
+    sudo python -m hfstream.tools.bench --n-layer 4 --modes serial,ddp-best,overlap-auto,fsdp2-best,sharded,sharded-best
 
 Run it on an otherwise idle machine: with one core per rank, any other job takes compute time
 from a rank. The ``cpu fwd/bwd`` column (the share of a core each rank's compute thread got)
@@ -94,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated subset of {','.join(MODES)} (default all)")
     parser.add_argument("--ddp-buckets", type=_buckets, default=None,
                         help="DDP bucket sweep in MiB for ddp-best (default 1,2,4,8,16; quick 0.25,1)")
+    parser.add_argument("--sharded-buckets", type=_buckets, default=None,
+                        help="sharded bucket sweep in MiB for sharded-best (default 1,2,4,8,16; quick 0.25,1)")
+    parser.add_argument("--n-layer", type=_positive(int), default=None,
+                        help="transformer blocks of the GPT-2 model (default 6, quick 2)")
     parser.add_argument("--seed", type=int, default=0, help="model and data seed (default 0)")
     parser.add_argument("--timeout-s", type=_positive(float), default=None,
                         help="hard limit for the ranks (default 1800, quick 110)")
@@ -112,8 +117,10 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
         rounds=pick(ns.rounds, 3, 2),
         rate_mbit=pick(ns.rate_mbit, 1000.0, 1000.0), latency_ms=ns.latency_ms, shaping=ns.shaping,
         modes=tuple(ns.modes), ddp_buckets=tuple(pick(ns.ddp_buckets, (1.0, 2.0, 4.0, 8.0, 16.0), (0.25, 1.0))),
+        sharded_buckets=tuple(pick(ns.sharded_buckets, (1.0, 2.0, 4.0, 8.0, 16.0), (0.25, 1.0))),
         seed=ns.seed, timeout_s=pick(ns.timeout_s, 1800.0, 110.0), quick=quick,
-        model=dataclasses.replace(QUICK_MODEL if quick else FULL_MODEL),
+        model=dataclasses.replace(QUICK_MODEL if quick else FULL_MODEL,
+                                  **({"n_layer": ns.n_layer} if ns.n_layer is not None else {})),
     )
 
 

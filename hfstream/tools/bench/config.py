@@ -12,6 +12,13 @@ The modes, each on its own copy of the same model, data and link:
     overlap       GradSync(mode="overlap") at DDP's default cap, 25 MiB
     overlap-best  GradSync overlap at ddp-best's bucket size
     overlap-auto  GradSync overlap with bucket_mb="auto" (tuned in its warm-up steps, then timed)
+    fsdp2-best    FSDP2 (``torch.distributed.fsdp.fully_shard`` on each block, then the model) with
+                  the faster of ``reshard_after_forward`` True/False in a sweep: the anchor for sharding
+    sharded       GradSync(mode="sharded") at its default, bucket_mb="auto", with the sharded AdamW
+    sharded-best  GradSync sharded at the fastest cap of a sweep (--sharded-buckets)
+
+The sharded modes reduce-scatter and all-gather (``all_to_all_single``, ``all_gather_single``),
+which the simulated link does not delay: compare them on the shaped namespace only.
 """
 
 from __future__ import annotations
@@ -19,15 +26,22 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-MODES = ("serial", "ddp-default", "ddp-best", "overlap", "overlap-best", "overlap-auto")
+MODES = ("serial", "ddp-default", "ddp-best", "overlap", "overlap-best", "overlap-auto",
+         "fsdp2-best", "sharded", "sharded-best")
+SHARDED_MODES = ("fsdp2-best", "sharded", "sharded-best")   # collectives the simulated link does not delay
 SHAPINGS = ("auto", "netns", "simulated")
-# What the project aims for (measurements, not tests), for overlap at its default bucket and
-# at DDP's best bucket.
+# What the project aims for (measurements, not tests): overlap at its default bucket and at
+# DDP's best bucket (issue 3); sharded at its default and at its best bucket (issue 13).
 TARGETS = {
-    f"{mode} <= {limit:.2f} x {ref}": (mode, ref, limit)
-    for mode in ("overlap", "overlap-best", "overlap-auto")
-    for ref, limit in (("ddp-default", 0.85), ("ddp-best", 1.00), ("ceiling", 1.15))
+    **{f"{mode} <= {limit:.2f} x {ref}": (mode, ref, limit)
+       for mode in ("overlap", "overlap-best", "overlap-auto")
+       for ref, limit in (("ddp-default", 0.85), ("ddp-best", 1.00), ("ceiling", 1.15))},
+    **{f"{mode} <= {limit:.2f} x {ref}": (mode, ref, limit)
+       for mode, ref, limit in (("sharded", "ddp-best", 0.85), ("sharded-best", "ddp-best", 0.80),
+                                ("sharded-best", "cross-step", 1.15), ("sharded-best", "cross-step", 1.10))},
 }
+# Optimizer state per rank of a sharded mode over the unsharded optimizer's (ddp-best's).
+MEMORY_TARGET = 0.55
 
 
 @dataclass
@@ -63,6 +77,7 @@ class BenchConfig:
     shaping: str = "auto"
     modes: tuple[str, ...] = MODES
     ddp_buckets: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0)
+    sharded_buckets: tuple[float, ...] = (1.0, 2.0, 4.0, 8.0, 16.0)
     seed: int = 0
     timeout_s: float = 1800.0
     quick: bool = False
@@ -73,6 +88,7 @@ class BenchConfig:
         d = dict(d)
         d["model"] = ModelSpec(**d["model"])
         d["modes"], d["ddp_buckets"] = tuple(d["modes"]), tuple(d["ddp_buckets"])
+        d["sharded_buckets"] = tuple(d.get("sharded_buckets", cls.sharded_buckets))
         return cls(**d)
 
 

@@ -10,6 +10,15 @@ slowest rank, then the median over the timed steps):
     DDP modes        a comm hook (the default all-reduce hook plus timestamps) records when each
                      bucket is launched and completed; backward ends at the last launch, and the
                      rest of ``loss.backward()`` (DDP waits for its buckets there) is exposed comm
+    sharded          as GradSync's modes, ``optimizer.step()`` of the sharded AdamW included; the
+                     reduce-scatters are comm busy/exposed of ``finish()``, the previous step's
+                     all-gathers come with the same ``sync.stats``; what the forward waited for
+                     them is taken out of forward and counted as exposed comm (as the step report)
+    FSDP2            forward | loss.backward() | optimizer: FSDP2 hides its collectives, so comm
+                     busy/exposed are not measured (its waits are inside forward and backward)
+
+Each session also reports its optimizer's state per rank (bytes of the state tensors this rank
+holds, after the timed steps).
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import math
 import os
 import statistics
 import sys
@@ -25,7 +35,7 @@ import time
 
 from hfstream.gradsync import DDP_BUCKET_MB, GradSync, union_length
 
-from .config import BenchConfig, ModelSpec
+from .config import MODES, BenchConfig, ModelSpec
 
 AUTO_TUNING_MAX_STEPS = 60   # bound on the extra warm-up an "auto" session takes to finish tuning
 
@@ -101,12 +111,38 @@ def _fmt_s(s: float) -> str:
     return f"{int(s // 60)}m{int(s % 60):02d}s" if s >= 60 else f"{s:.0f}s"
 
 
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer state tensors this rank holds (a DTensor counts its local shard)."""
+    import torch
+
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def _fully_shard(model, reshard_after_forward: bool) -> None:
+    """FSDP2 as its docs apply it to a transformer: each block its own unit, then the root."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+
+
 class _Session:
     """One mode on its own copy of the model: built once, then stepped in rounds.
 
     Args:
-        kind: ``"ddp"``, ``"serial"`` or ``"overlap"``.
+        kind: ``"ddp"``, ``"serial"``, ``"overlap"``, ``"sharded"`` or ``"fsdp2"``.
         bucket_mb: bucket cap in MiB; None = DDP's own default; "auto" = GradSync tunes it.
+            For ``"fsdp2"``: ``reshard_after_forward`` (True/False) instead.
         label: the run's name in the results, e.g. ``"ddp@4"``.
     """
 
@@ -123,10 +159,15 @@ class _Session:
             self.forward = DistributedDataParallel(self.model, bucket_cap_mb=bucket_mb)
             self.timer = _CommTimer(dist.get_world_size())
             self.forward.register_comm_hook(self.timer, _timed_allreduce_hook)
+        elif kind == "fsdp2":
+            _fully_shard(self.model, reshard_after_forward=bool(bucket_mb))
+            self.forward = self.model
         else:
             self.sync = GradSync(self.model, bucket_mb=bucket_mb, mode=kind)
             self.forward = self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        if kind == "sharded":
+            self.opt = self.sync.shard_optimizer(self.opt)
         self.records: list[dict] = []
         self.steps = 0
 
@@ -146,9 +187,19 @@ class _Session:
         self.opt.zero_grad(set_to_none=True)
         t5, c5, p5 = time.perf_counter(), time.thread_time(), time.process_time()
         self.steps += 1
-        if self.sync is not None:
+        halves, waited = {}, 0.0
+        if self.kind == "fsdp2":
+            backward, busy, exposed, collectives = t3 - t2, math.nan, math.nan, math.nan
+        elif self.sync is not None:
             st = self.sync.stats
             backward, busy, exposed, collectives = t3 - t2, st.comm_busy_ms, st.exposed_comm_ms, st.num_collectives
+            if self.kind == "sharded":
+                # This step's stats carry the previous step's all-gathers; the forward's wait for
+                # them is communication, not forward compute (as in the step report).
+                waited = min(st.gather_exposed_ms, (t2 - t1) * 1e3)
+                halves = {"reduce_scatter_busy_ms": busy, "reduce_scatter_exposed_ms": exposed,
+                          "all_gather_busy_ms": st.gather_busy_ms, "all_gather_exposed_ms": waited}
+                busy, exposed, collectives = busy + st.gather_busy_ms, exposed + waited, collectives + st.num_gathers
         else:
             spans = self.timer.take()
             # The last bucket is launched when backward has produced its last gradient; what
@@ -159,7 +210,8 @@ class _Session:
             busy, exposed, collectives = union_length(spans) * 1e3, (t3 - t2 - backward) * 1e3, len(spans)
         if keep:
             self.records.append({
-                "data_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3, "backward_ms": backward * 1e3,
+                # Sharded: the forward pre-hooks' wait for the all-gathers is exposed comm, not forward.
+                "data_ms": (t1 - t0) * 1e3, "forward_ms": (t2 - t1) * 1e3 - waited, "backward_ms": backward * 1e3,
                 "comm_busy_ms": busy, "exposed_comm_ms": exposed, "sync_ms": (t4 - t3) * 1e3,
                 "optimizer_ms": (t5 - t4) * 1e3, "step_ms": (t5 - t0) * 1e3, "collectives": collectives,
                 # Share of a core this rank's compute thread got: well below 1 means another
@@ -170,13 +222,15 @@ class _Session:
                 # on a machine with a core per rank, that is time taken from compute.
                 "comm_threads_cpu_ms": ((p5 - p0) - (c5 - c0)) * 1e3,
                 "loss": float(loss.detach()),
+                **halves,
             })
 
     def result(self) -> dict:
         tuned = self.sync.bucket_mb if self.sync is not None and self.bucket_mb == "auto" else self.bucket_mb
         tuning = getattr(self.sync, "tuning_result", None)
         return {"kind": self.kind, "bucket_mb": tuned, "tuning": dataclasses.asdict(tuning) if tuning else None,
-                "buckets": len(self.sync.buckets) if self.sync is not None else None, "records": self.records}
+                "buckets": len(self.sync.buckets) if self.sync is not None else None, "records": self.records,
+                "optimizer_state_bytes": optimizer_state_bytes(self.opt)}
 
     def close(self) -> None:
         if self.sync is not None:
@@ -233,10 +287,13 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict
     params = sum(p.numel() for p in _build_model(spec, cfg.seed).parameters())
 
     sweep = "ddp-best" in cfg.modes or "overlap-best" in cfg.modes
-    sweep_runs = [None, *cfg.ddp_buckets] if sweep else []
-    main_runs = (["serial"] * ("serial" in cfg.modes) + ["ddp-default"] * ("ddp-default" in cfg.modes)
-                 + ["ddp-best"] * ("ddp-best" in cfg.modes) + ["overlap"] * ("overlap" in cfg.modes)
-                 + ["overlap-best"] * ("overlap-best" in cfg.modes) + ["overlap-auto"] * ("overlap-auto" in cfg.modes))
+    sweep_runs = [("ddp", mb, "ddp@default" if mb is None else f"ddp@{mb:g}") for mb in [None, *cfg.ddp_buckets]] \
+        if sweep else []
+    if "sharded-best" in cfg.modes:
+        sweep_runs += [("sharded", mb, f"sharded@{mb:g}") for mb in cfg.sharded_buckets]
+    if "fsdp2-best" in cfg.modes:
+        sweep_runs += [("fsdp2", reshard, f"fsdp2@reshard={reshard}") for reshard in (True, False)]
+    main_runs = [m for m in MODES if m in cfg.modes]
     total = (len(sweep_runs) + len(main_runs)) * (cfg.warmup + cfg.steps)
     progress = _Progress(total, enabled=rank == 0)
 
@@ -246,8 +303,10 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict
     best_mb, load = None, [os.getloadavg()[0]]
     with link.installed() if link is not None else contextlib.nullcontext():
         calibration = measure_allreduce(min(8 * 2**20, params * 4))
-        if sweep:
-            sessions = [_Session("ddp", mb, cfg, "ddp@default" if mb is None else f"ddp@{mb:g}") for mb in sweep_runs]
+        best = {}
+        if sweep_runs:
+            # One sweep for every "-best" mode, interleaved like the compared modes.
+            sessions = [_Session(kind, mb, cfg, label) for kind, mb, label in sweep_runs]
             _run_interleaved(sessions, cfg, batches, progress)
             for s in sessions:
                 sweep_results[s.label] = s.result()
@@ -260,19 +319,26 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict
                                  dtype=torch.float64)
             dist.all_reduce(steps, op=dist.ReduceOp.MAX)
             medians = [statistics.median(row) for row in steps.tolist()]
-            best_mb = sweep_runs[medians.index(min(medians))]
+            for kind in ("ddp", "sharded", "fsdp2"):
+                mine = [(m, mb) for m, (k, mb, _) in zip(medians, sweep_runs) if k == kind]
+                if mine:
+                    best[kind] = min(mine, key=lambda t: t[0])[1]
+            best_mb = best.get("ddp")
         load.append(os.getloadavg()[0])
         # (kind, bucket_mb) of each mode; GradSync's modes default to DDP's cap, as GradSync does.
         specs = {"serial": ("serial", DDP_BUCKET_MB), "ddp-default": ("ddp", None), "ddp-best": ("ddp", best_mb),
                  "overlap": ("overlap", DDP_BUCKET_MB),
                  "overlap-best": ("overlap", DDP_BUCKET_MB if best_mb is None else best_mb),
-                 "overlap-auto": ("overlap", "auto")}
+                 "overlap-auto": ("overlap", "auto"),
+                 "fsdp2-best": ("fsdp2", best.get("fsdp2", False)),
+                 "sharded": ("sharded", "auto"),
+                 "sharded-best": ("sharded", best.get("sharded", DDP_BUCKET_MB))}
         sessions = [_Session(*specs[m], cfg, m) for m in main_runs]
         _run_interleaved(sessions, cfg, batches, progress)
         for s in sessions:
             runs[s.label] = s.result()
             s.close()
         load.append(os.getloadavg()[0])
-    return {"runs": runs, "sweep": sweep_results, "best_ddp_bucket_mb": best_mb,
+    return {"runs": runs, "sweep": sweep_results, "best_ddp_bucket_mb": best_mb, "best_of_sweep": best,
             "calibration": calibration, "params": params, "num_threads": torch.get_num_threads(),
             "loadavg_1min": load}

@@ -3,8 +3,10 @@
 Per step, each part is the mean over ranks and the step time the slowest rank's; each number
 reported is then the median over the timed steps. The ceiling, forward + max(backward, comm
 busy) + optimizer (docs/design.md section 4), is taken from the serial mode, where compute runs
-undisturbed by communication and the reductions run alone on the link. On CPU only the ratios
-mean something: step time over DDP-default's and over the ceiling.
+undisturbed by communication and the reductions run alone on the link; so is the cross-step
+limit of the sharded modes, max(forward + backward + optimizer / N, comm busy) (section 7). On
+CPU only the ratios mean something: step time over DDP-default's, DDP-best's, the ceiling and
+the cross-step limit; and each mode's optimizer state per rank over the unsharded optimizer's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Sequence
 
 from hfstream.gradsync import DDP_BUCKET_MB
 
-from .config import MODES, TARGETS, BenchConfig
+from .config import MEMORY_TARGET, MODES, SHARDED_MODES, TARGETS, BenchConfig
 
 
 def _aggregate(per_rank_runs: list[dict]) -> dict:
@@ -31,13 +33,20 @@ def _aggregate(per_rank_runs: list[dict]) -> dict:
         s = {k: statistics.fmean(r[k] for r in recs) for k in recs[0]}
         s["step_ms"] = max(r["step_ms"] for r in recs)
         steps.append(s)
-    out = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    out = {k: _median(s[k] for s in steps) for k in steps[0]}
     out["ideal_ms"] = statistics.median(s["forward_ms"] + max(s["backward_ms"], s["comm_busy_ms"]) + s["optimizer_ms"]
                                         for s in steps)
     out["step_ms_all"] = [round(s["step_ms"], 3) for s in steps]
     first = per_rank_runs[0]
-    out.update(kind=first["kind"], bucket_mb=first["bucket_mb"], buckets=first["buckets"])
+    out.update(kind=first["kind"], bucket_mb=first["bucket_mb"], buckets=first["buckets"],
+               optimizer_state_bytes=max(r.get("optimizer_state_bytes", 0) for r in per_rank_runs))
     return out
+
+
+def _median(values) -> float:
+    """Median that is NaN for values that were not measured (FSDP2's comm), instead of a sorting accident."""
+    values = list(values)
+    return math.nan if any(isinstance(v, float) and math.isnan(v) for v in values) else statistics.median(values)
 
 
 def _machine() -> dict:
@@ -70,19 +79,33 @@ def summarize_results(cfg: BenchConfig, shaping: dict, per_rank: list[dict], arg
     else:
         m = min(modes, key=lambda k: modes[k]["ideal_ms"])
         ceiling = {"step_ms": modes[m]["ideal_ms"], "source": m}
+    cross_step = _cross_step(modes, cfg.world_size)
     base = modes.get("ddp-default", {}).get("step_ms")
+    best = modes.get("ddp-best", {}).get("step_ms")
     ratios = {m: {"to_ddp_default": (v["step_ms"] / base) if base else None,
-                  "to_ceiling": v["step_ms"] / ceiling["step_ms"]} for m, v in modes.items()}
+                  "to_ddp_best": (v["step_ms"] / best) if best else None,
+                  "to_ceiling": v["step_ms"] / ceiling["step_ms"],
+                  "to_cross_step": (v["step_ms"] / cross_step["step_ms"]) if cross_step else None}
+              for m, v in modes.items()}
     steps_of = {**{m: v["step_ms"] for m, v in modes.items()}, "ceiling": ceiling["step_ms"]}
+    if cross_step:
+        steps_of["cross-step"] = cross_step["step_ms"]
     targets = {}
     for name, (a, b, limit) in TARGETS.items():
         if a in steps_of and b in steps_of:
             ratio = steps_of[a] / steps_of[b]
             targets[name] = {"ratio": ratio, "limit": limit, "met": ratio <= limit}
+    unsharded = next((modes[m]["optimizer_state_bytes"] for m in ("ddp-best", "ddp-default", "overlap-auto", "serial")
+                      if m in modes), None)
+    for m in SHARDED_MODES:
+        if m in modes and unsharded:
+            ratio = modes[m]["optimizer_state_bytes"] / unsharded
+            targets[f"{m} optimizer state <= {MEMORY_TARGET:.2f} x unsharded"] = {
+                "ratio": ratio, "limit": MEMORY_TARGET, "met": ratio <= MEMORY_TARGET}
     sweep = []
     for label in r0["sweep"]:
         agg = _aggregate([r["sweep"][label] for r in per_rank])
-        sweep.append({"run": label, "bucket_mb": agg["bucket_mb"], "step_ms": agg["step_ms"],
+        sweep.append({"run": label, "kind": agg["kind"], "bucket_mb": agg["bucket_mb"], "step_ms": agg["step_ms"],
                       "exposed_comm_ms": agg["exposed_comm_ms"], "collectives": agg["collectives"]})
     grad_bytes = r0["params"] * 4
     return {
@@ -97,11 +120,33 @@ def summarize_results(cfg: BenchConfig, shaping: dict, per_rank: list[dict], arg
         "threads_per_rank": r0["num_threads"],
         "modes": modes,
         "ceiling": ceiling,
+        "cross_step": cross_step,
         "ratios": ratios,
         "ddp_sweep": sweep,
         "best_ddp_bucket_mb": r0["best_ddp_bucket_mb"],
+        "best_of_sweep": r0.get("best_of_sweep", {}),
+        "unshaped_modes": [m for m in modes if m in SHARDED_MODES] if shaping["kind"] == "simulated" else [],
         "targets": targets,
     }
+
+
+def _cross_step(modes: dict, world_size: int) -> dict | None:
+    """The sharded modes' limit, max(forward + backward + optimizer / N, comm busy), from the serial
+    run's parts (compute undisturbed, the all-reduce alone on the link); None without one."""
+    s = modes.get("serial")
+    if s is None:
+        return None
+    compute = s["forward_ms"] + s["backward_ms"] + s["optimizer_ms"] / world_size
+    return {"step_ms": max(compute, s["comm_busy_ms"]), "source": "serial", "compute_ms": compute,
+            "comm_busy_ms": s["comm_busy_ms"], "optimizer_ms": s["optimizer_ms"] / world_size}
+
+
+def _bucket_cell(v: dict) -> str:
+    if v["kind"] == "fsdp2":
+        return f"reshard={'T' if v['bucket_mb'] else 'F'}"
+    if v["kind"] == "ddp" and v["bucket_mb"] is None:
+        return f"{DDP_BUCKET_MB:g} (1st 1)"   # bucket_cap_mb=None: DDP's default cap after its 1 MiB first bucket
+    return f"{v['bucket_mb']:g}"
 
 
 def format_bench_table(result: dict) -> str:
@@ -121,7 +166,8 @@ def format_bench_table(result: dict) -> str:
         f"rounds; ms (CPU: read the ratios); load avg {', '.join(f'{x:.1f}' for x in load)}",
         "",
         f"{'mode':<13}{'bucket MiB':>11}{'step':>7}{'fwd':>6}{'bwd':>6}{'comm busy':>10}{'exposed':>8}"
-        f"{'opt':>5}{'cpu fwd/bwd':>12}{'gloo cpu':>9}{'x ddp-default':>14}{'x ceiling':>10}",
+        f"{'opt':>5}{'cpu fwd/bwd':>12}{'gloo cpu':>9}{'x ddp-default':>14}{'x ddp-best':>11}{'x ceiling':>10}"
+        f"{'x cross':>8}{'opt MiB':>8}",
     ]
 
     def num(v, w, d=0):
@@ -129,26 +175,43 @@ def format_bench_table(result: dict) -> str:
 
     for m, v in result["modes"].items():
         r = result["ratios"][m]
-        # bucket_cap_mb=None: DDP's default cap after its 1 MiB first bucket
-        ddp_default = v["kind"] == "ddp" and v["bucket_mb"] is None
-        bucket = f"{DDP_BUCKET_MB:g} (1st 1)" if ddp_default else f"{v['bucket_mb']:g}"
         cpu = f"{100 * v['forward_cpu_share']:.0f}/{100 * v['backward_cpu_share']:.0f}%"
-        lines.append(f"{m:<13}{bucket:>11}{num(v['step_ms'], 7)}{num(v['forward_ms'], 6)}{num(v['backward_ms'], 6)}"
-                     f"{num(v['comm_busy_ms'], 10)}{num(v['exposed_comm_ms'], 8)}{num(v['optimizer_ms'], 5)}"
-                     f"{cpu:>12}{num(v['comm_threads_cpu_ms'], 9)}{num(r['to_ddp_default'], 14, 2)}"
-                     f"{num(r['to_ceiling'], 10, 2)}")
-    c = result["ceiling"]
+        lines.append(f"{m:<13}{_bucket_cell(v):>11}{num(v['step_ms'], 7)}{num(v['forward_ms'], 6)}"
+                     f"{num(v['backward_ms'], 6)}{num(v['comm_busy_ms'], 10)}{num(v['exposed_comm_ms'], 8)}"
+                     f"{num(v['optimizer_ms'], 5)}{cpu:>12}{num(v['comm_threads_cpu_ms'], 9)}"
+                     f"{num(r['to_ddp_default'], 14, 2)}{num(r.get('to_ddp_best'), 11, 2)}{num(r['to_ceiling'], 10, 2)}"
+                     f"{num(r.get('to_cross_step'), 8, 2)}{num(v.get('optimizer_state_bytes', 0) / 2**20, 8, 1)}")
+    c, x = result["ceiling"], result.get("cross_step")
     base = result["modes"].get("ddp-default", {}).get("step_ms")
-    lines.append(f"{'ceiling':<13}{'':>11}{num(c['step_ms'], 7)}{num(c.get('forward_ms'), 6)}"
-                 f"{num(c.get('backward_ms'), 6)}{num(c.get('comm_busy_ms'), 10)}{'':>8}{num(c.get('optimizer_ms'), 5)}"
-                 f"{'':>21}{num(c['step_ms'] / base if base else None, 14, 2)}{num(1.0, 10, 2)}")
+    best = result["modes"].get("ddp-best", {}).get("step_ms")
+
+    def limit_row(label, step, fwd, bwd, comm, opt):
+        return (f"{label:<13}{'':>11}{num(step, 7)}{num(fwd, 6)}{num(bwd, 6)}{num(comm, 10)}{'':>8}{num(opt, 5)}"
+                f"{'':>21}{num(step / base if base else None, 14, 2)}{num(step / best if best else None, 11, 2)}"
+                f"{num(step / c['step_ms'], 10, 2)}{num(step / x['step_ms'] if x else None, 8, 2)}")
+
+    lines.append(limit_row("ceiling", c["step_ms"], c.get("forward_ms"), c.get("backward_ms"), c.get("comm_busy_ms"),
+                           c.get("optimizer_ms")))
+    if x:
+        lines.append(limit_row("cross-step", x["step_ms"], None, None, x["comm_busy_ms"], x["optimizer_ms"]))
     lines.append(f"  ceiling = forward + max(backward, comm busy) + optimizer, from the {c['source']} run")
+    if x:
+        lines.append(f"  cross-step = max(forward + backward + optimizer / {result['config']['world_size']}, comm busy), "
+                     f"from the {x['source']} run (the sharded modes' limit)")
+    sharded = [m for m in result["modes"] if result["modes"][m]["kind"] == "sharded"]
+    for m in sharded:
+        v = result["modes"][m]
+        lines.append(f"  {m}: reduce-scatter busy {num(v.get('reduce_scatter_busy_ms'), 0)} exposed "
+                     f"{num(v.get('reduce_scatter_exposed_ms'), 0)} | all-gather busy {num(v.get('all_gather_busy_ms'), 0)} "
+                     f"exposed {num(v.get('all_gather_exposed_ms'), 0)} ms")
+    if result.get("unshaped_modes"):
+        lines.append(f"  warning: the simulated link does not delay {', '.join(result['unshaped_modes'])}'s "
+                     f"reduce-scatters and all-gathers: compare them on the shaped namespace (--shaping netns)")
     lines.append("  cpu fwd/bwd = share of a core the rank's compute thread got; gloo cpu = ms of CPU per step "
                  "used by the rank's other (communication) threads")
     if result["ddp_sweep"]:
-        cells = [f"{'default' if s['bucket_mb'] is None else format(s['bucket_mb'], 'g')}: {s['step_ms']:.0f}"
-                 for s in result["ddp_sweep"]]
-        lines.append("DDP bucket sweep (MiB: step ms): " + " | ".join(cells))
+        cells = [f"{s['run']}: {s['step_ms']:.0f}" for s in result["ddp_sweep"]]
+        lines.append("sweep (run: step ms): " + " | ".join(cells))
     for name, t in result["targets"].items():
         lines.append(f"target {name:<37} {t['ratio']:.3f}  {'met' if t['met'] else 'MISSED'}")
     return "\n".join(lines)

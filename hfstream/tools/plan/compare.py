@@ -58,6 +58,8 @@ def predict_bench(bench: dict, calibrate_from: str = "backward", use_measured_ra
     base.mem_bandwidth_gbs = calibrated_mem_bandwidth_gbs(shape, base, ref["optimizer_ms"])
     modes = {}
     for name, mode in bench["modes"].items():
+        if mode["kind"] == "fsdp2":
+            continue   # FSDP2's own schedule (per-block units, prefetching) is not what the planner models
         bucket_mb, first = _bench_buckets(mode)
         cfg = dataclasses.replace(base, bucket_mb=bucket_mb, first_bucket_mb=first)
         modes[name] = {**predict_row(shape, cfg, world_size), "kind": mode["kind"], "bucket_mb": bucket_mb,
@@ -86,8 +88,8 @@ def compare_with_measurement(pred: dict, measured: dict, tolerance: float = 0.25
         measured: a `hfstream.tools.bench.run` JSON document, or one of its ``modes`` entries.
         tolerance: the relative error on comm busy and step that still counts as agreement.
 
-    A serial measurement is compared with the predicted serial step, every other mode
-    (GradSync overlap, DDP) with the predicted overlapped step.
+    A serial measurement is compared with the predicted serial step, a sharded one with the
+    predicted sharded step, every other mode (GradSync overlap, DDP) with the predicted overlapped step.
     """
     if "modes" in pred and "modes" in measured:
         pairs = [(name, pred["modes"][name], measured["modes"][name]) for name in pred["modes"]
@@ -96,10 +98,14 @@ def compare_with_measurement(pred: dict, measured: dict, tolerance: float = 0.25
         pairs = [(measured.get("kind", "measured"), pred, measured)]
     out: dict = {"modes": {}, "tolerance": tolerance}
     for name, p, m in pairs:
-        serial = m.get("kind") == "serial"
+        kind = m.get("kind")
         predicted = {"forward_ms": p["forward_ms"], "backward_ms": p["backward_ms"], "comm_busy_ms": p["comm_busy_ms"],
-                     "exposed_comm_ms": p["exposed_serial_ms"] if serial else p["exposed_overlap_ms"],
-                     "step_ms": p["step_serial_ms"] if serial else p["step_overlap_ms"]}
+                     "exposed_comm_ms": p["exposed_serial_ms"] if kind == "serial" else p["exposed_overlap_ms"],
+                     "step_ms": p["step_serial_ms"] if kind == "serial" else p["step_overlap_ms"]}
+        if kind == "sharded":
+            predicted.update(exposed_comm_ms=p["reduce_scatter_exposed_ms"] + p["all_gather_exposed_ms"],
+                             comm_busy_ms=p["reduce_scatter_busy_ms"] + p["all_gather_busy_ms"],
+                             step_ms=p["step_sharded_ms"])
         meas = {k: m.get(k) for k in predicted}
         out["modes"][name] = {"predicted": predicted, "measured": meas,
                               "rel_error": {k: _rel(predicted[k], meas[k]) for k in predicted}}

@@ -25,6 +25,16 @@ It predicts the quantities `hfstream.timeline` and `hfstream.tools.bench.run` me
                         reduction time, and exposed >= comm busy - backward
     ceiling             forward + max(backward, comm busy) + optimizer
 
+    sharded             grad_sync="sharded" (docs/design.md section 7): each bucket is reduce-
+                        scattered in backward and its updated slice all-gathered after the step;
+                        each half carries (N-1)/N x b / B + (N-1) x alpha, the ring's halves.
+                        The reduce-scatters follow the overlap schedule; the optimizer steps 1/N
+                        of the parameters (optimizer / N); the all-gathers start after it, one at
+                        a time in forward order, and the next forward waits for a bucket only
+                        when it reaches its parameters (forward does its FLOPs in registration
+                        order); a reduce-scatter waits for the link after the last all-gather.
+    cross-step limit    max(forward + backward + optimizer / N, comm busy)
+
 P is the number of trainable parameters (tied ones once; in C, without embedding tables that
 are only indexed, which cost no FLOPs), T the tokens per device per step,
 N the world size, B the link bandwidth per device, alpha the latency of one ring step. The
@@ -226,6 +236,7 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     opt = shape.params * cfg.optimizer_bytes_per_param / (cfg.mem_bandwidth_gbs * 1e9) * 1e3
     times = [allreduce_s(b, world_size, cfg.link_gbs, cfg.latency_us) * 1e3 for b, _ in buckets]
     busy = sum(times)
+    sharded = predict_sharded(buckets, world_size, cfg, fwd, bwd, opt)
     # Overlap: one reduction at a time on the link, each starting when its bucket is ready.
     end = 0.0
     for t, (_, ready) in zip(times, buckets):
@@ -245,7 +256,54 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
         "overlap_complete": busy <= bwd,
         "tokens_per_s_overlap": world_size * cfg.tokens_per_device / (step_overlap / 1e3),
         "scaling_efficiency_overlap": single / step_overlap,
+        **sharded,
+        "efficiency_sharded": sharded["cross_step_limit_ms"] / sharded["step_sharded_ms"],
+        # Faster by more than rounding: with one bucket and a free optimizer the two are equal.
+        "sharded_beats_overlap": sharded["step_sharded_ms"] < step_overlap * (1 - 1e-9),
     }
+
+
+def half_s(nbytes: float, world_size: int, link_gbs: float, latency_us: float) -> float:
+    """Seconds of one ring reduce-scatter (or all-gather) of ``nbytes``: (N-1)/N b/B + (N-1) alpha."""
+    if world_size <= 1:
+        return 0.0
+    return (world_size - 1) / world_size * nbytes / (link_gbs * 1e9) + (world_size - 1) * latency_us * 1e-6
+
+
+def predict_sharded(buckets: list[tuple[float, float]], world_size: int, cfg: PlanConfig,
+                    fwd: float, bwd: float, opt: float) -> dict:
+    """The sharded step in ms (module docstring): both halves' busy and exposed times, the step, the limit.
+
+    Steady state, time 0 = the forward's start, the previous step's all-gathers launched then
+    (the data wait and the optimizer's own tail hidden). ``buckets`` are in plan (backward) order.
+    """
+    t = [half_s(b, world_size, cfg.link_gbs, cfg.latency_us) * 1e3 for b, _ in buckets]
+    ready = [r for _, r in buckets]
+    opt_sharded = opt / world_size
+    if world_size <= 1:
+        step = fwd + bwd + opt
+        return {"optimizer_sharded_ms": opt, "reduce_scatter_busy_ms": 0.0, "reduce_scatter_exposed_ms": 0.0,
+                "all_gather_busy_ms": 0.0, "all_gather_exposed_ms": 0.0, "step_sharded_ms": step,
+                "cross_step_limit_ms": step}
+    # All-gathers in forward order (reverse plan); bucket k's parameters are where forward has done
+    # 1 - ready[k] of its FLOPs (backward reaches them after ready[k - 1] and finishes them at ready[k]).
+    link, clock = 0.0, 0.0
+    for k in reversed(range(len(buckets))):
+        link += t[k]                                   # its gather completes
+        span = (ready[k] - (ready[k - 1] if k else 0.0)) * fwd
+        clock = max(clock, link) + span                # forward waits for it, then computes its share
+    exposed_ag = max(0.0, clock - fwd)
+    forward_end = fwd + exposed_ag
+    # Reduce-scatters: the overlap schedule, on a link free once the last gather is done.
+    end = link
+    for tk, r in zip(t, ready):
+        end = max(forward_end + r * bwd, end) + tk
+    exposed_rs = max(0.0, end - (forward_end + bwd))
+    busy = 2 * sum(t)
+    return {"optimizer_sharded_ms": opt_sharded, "reduce_scatter_busy_ms": sum(t),
+            "reduce_scatter_exposed_ms": exposed_rs, "all_gather_busy_ms": sum(t),
+            "all_gather_exposed_ms": exposed_ag, "step_sharded_ms": fwd + exposed_ag + bwd + exposed_rs + opt_sharded,
+            "cross_step_limit_ms": max(fwd + bwd + opt_sharded, busy)}
 
 
 def overlap_limit(shape: ModelShape, cfg: PlanConfig, buckets: list[tuple[float, float]] | None = None,
@@ -277,6 +335,7 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
     buckets = predict_buckets(shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb)
     rows = [predict_row(shape, cfg, n, buckets) for n in cfg.world_sizes]
     limit = overlap_limit(shape, cfg, buckets)
+    wins = [r["world_size"] for r in rows if r["sharded_beats_overlap"]]
     inputs = dataclasses.asdict(cfg)
     inputs["world_sizes"] = list(cfg.world_sizes)
     for k in ("bucket_mb", "first_bucket_mb"):   # strict JSON has no Infinity
@@ -293,6 +352,7 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
         "buckets": {"count": len(buckets), "largest_bytes": max(b for b, _ in buckets),
                     "last_bytes": buckets[-1][0]},
         "overlap_incomplete_from": limit,
+        "sharded_beats_overlap_at": wins,
         "rows": rows,
         "formulas": {
             "compute": "forward = C/3, backward = 2C/3, C = 6 P T (+ 12 L d_attn s T) at peak x MFU "
@@ -303,5 +363,9 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
             "exposed_overlap": "max(0, end of last reduction - end of backward), buckets ready as backward "
                                "does its FLOPs in reverse registration order, one reduction at a time",
             "ideal": "forward + max(backward, comm busy) + optimizer (docs/design.md section 4)",
+            "sharded": "reduce-scatter and all-gather (N-1)/N x bytes / link bandwidth + (N-1) x latency each; "
+                       "reduce-scatters as overlap, optimizer / N, all-gathers after the step waited for by the "
+                       "next forward as it reaches each bucket (docs/design.md section 7)",
+            "cross_step_limit": "max(forward + backward + optimizer / N, comm busy)",
         },
     }

@@ -12,6 +12,21 @@ def _ms(v: float) -> str:
     return f"{v:.3g}" if v < 10 else f"{v:.1f}" if v < 1e4 else f"{v:.3g}"
 
 
+def _ranges(sizes: list[int], doc: dict) -> str:
+    """``[2, 4, 8, 64]`` of rows ``1, 2, 4, 8, 16, 32, 64`` -> ``"2-8, 64"`` (runs of consecutive rows)."""
+    order = [r["world_size"] for r in doc["rows"]]
+    runs, run = [], []
+    for n in order:
+        if n in sizes:
+            run.append(n)
+        elif run:
+            runs.append(run)
+            run = []
+    if run:
+        runs.append(run)
+    return ", ".join(f"{r[0]:,}" if len(r) == 1 else f"{r[0]:,}-{r[-1]:,}" for r in runs)
+
+
 def format_plan_table(doc: dict) -> str:
     """The human-readable table of a `plan` document."""
     inp, m, b = doc["inputs"], doc["model"], doc["buckets"]
@@ -24,11 +39,12 @@ def format_plan_table(doc: dict) -> str:
         f"{inp['tokens_per_device']:,} tokens per device per step; {doc['step_flops']:.3g} FLOP per device per step "
         f"at {compute} | link {inp['link_gbs']:g} GB/s per device, {inp['latency_us']:g} us per ring step | "
         f"optimizer {inp['optimizer_bytes_per_param']:g} B/param at {inp['mem_bandwidth_gbs']:.4g} GB/s",
-        "ms per step; exposed = communication the step waits for; eff = ceiling / step",
+        "ms per step; exposed = communication the step waits for; eff = ceiling / step; sharded: reduce-scatter "
+        "in backward, optimizer / N, all-gather behind the next forward; limit = max(fwd + bwd + opt / N, comm)",
         "",
         f"{'N':>5}{'2(N-1)/N':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}{'comm busy':>10}{'last bkt':>9}"
         f"{'exp serial':>11}{'exp overlap':>12}{'step serial':>12}{'step overlap':>13}{'ceiling':>9}"
-        f"{'eff ser':>8}{'eff ovl':>8}",
+        f"{'eff ser':>8}{'eff ovl':>8}{'exp RS+AG':>10}{'step shard':>11}{'limit':>8}",
     ]
     for r in doc["rows"]:
         lines.append(
@@ -36,7 +52,10 @@ def format_plan_table(doc: dict) -> str:
             f"{_ms(r['optimizer_ms']):>7}{_ms(r['comm_busy_ms']):>10}{_ms(r['last_bucket_ms']):>9}"
             f"{_ms(r['exposed_serial_ms']):>11}{_ms(r['exposed_overlap_ms']):>12}{_ms(r['step_serial_ms']):>12}"
             f"{_ms(r['step_overlap_ms']):>13}{_ms(r['ideal_ms']):>9}{r['efficiency_serial']:>8.2f}"
-            f"{r['efficiency_overlap']:>8.2f}" + ("" if r["overlap_complete"] else "  comm > bwd"))
+            f"{r['efficiency_overlap']:>8.2f}"
+            f"{_ms(r['reduce_scatter_exposed_ms'] + r['all_gather_exposed_ms']):>10}{_ms(r['step_sharded_ms']):>11}"
+            f"{_ms(r['cross_step_limit_ms']):>8}"
+            + ("" if r["overlap_complete"] else "  comm > bwd") + ("  sharded wins" if r["sharded_beats_overlap"] else ""))
     limit = doc["overlap_incomplete_from"]
     if limit is None:
         lines.append("comm busy stays below backward at every world size: overlap can hide it all but the last bucket")
@@ -45,4 +64,11 @@ def format_plan_table(doc: dict) -> str:
         lines.append(f"comm busy exceeds backward from N = {limit:,} ({upto}); from there on the ceiling is set "
                      f"by the link, not by compute")
     lines.append("the last bucket's reduction starts when backward ends, so even with overlap it is always exposed")
+    wins = doc.get("sharded_beats_overlap_at") or []
+    if wins:
+        gain = max(r["step_overlap_ms"] - r["step_sharded_ms"] for r in doc["rows"] if r["sharded_beats_overlap"])
+        lines.append(f"grad_sync='sharded' beats overlap at N = {_ranges(wins, doc)} (by up to {_ms(gain)} ms per step): "
+                     f"the optimizer runs on 1/N of the parameters and the all-gather hides behind the next forward")
+    else:
+        lines.append("grad_sync='sharded' beats overlap at none of these world sizes")
     return "\n".join(lines)

@@ -1,0 +1,90 @@
+"""The planner's sharded step (docs/design.md section 7): a case computed by hand, the bounds a
+reader of its table relies on, where it says sharded beats overlap, and a bench comparison."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+import hfstream.tools.plan as P
+from test_plan import SETTINGS, _bench_doc
+
+MiB = 2**20
+
+
+def test_sharded_schedule_by_hand(capsys):
+    # Two buckets of 1 MiB (1-byte gradients): 80 ms each as an all-reduce at N = 2, so 40 ms per
+    # half. Forward 50 ms, backward 100 ms, optimizer 10 ms (5 ms on half the parameters).
+    params, tokens = 2 * MiB, 1000
+    cfg = P.PlanConfig(grad_bytes=1, bucket_mb=1.0, link_gbs=MiB / 0.080 / 1e9, latency_us=0.0,
+                       tokens_per_device=tokens, compute_tflops=6 * params * tokens / 0.150 / 1e12,
+                       optimizer_bytes_per_param=1.0, mem_bandwidth_gbs=params / 0.010 / 1e9, world_sizes=(2,))
+    r = P.predict_row(P.shape_from_params(params), cfg, 2)
+    assert (r["forward_ms"], r["backward_ms"], r["optimizer_ms"]) == pytest.approx((50.0, 100.0, 10.0))
+    assert r["reduce_scatter_busy_ms"] == r["all_gather_busy_ms"] == pytest.approx(80.0)
+    # Gathers after the step, forward order (the bucket backward made last comes first): the first
+    # completes at 40 ms, forward computes its half (25 ms) to 65; the second completes at 80,
+    # forward finishes at 105: 55 ms exposed.
+    assert r["all_gather_exposed_ms"] == pytest.approx(55.0)
+    # Backward 105-205; the reduce-scatters are ready at 155 and 205 and end at 195 and 245.
+    assert r["reduce_scatter_exposed_ms"] == pytest.approx(40.0)
+    assert r["optimizer_sharded_ms"] == pytest.approx(5.0)
+    assert r["step_sharded_ms"] == pytest.approx(50 + 55 + 100 + 40 + 5)
+    assert r["cross_step_limit_ms"] == pytest.approx(max(50 + 100 + 5, 160))
+    # Overlap: 50 + 100 + 110 exposed (the by-hand case of test_plan) + 10 = 270 ms.
+    assert r["step_overlap_ms"] == pytest.approx(270.0) and r["sharded_beats_overlap"]
+
+
+@pytest.mark.parametrize("model,cfg", SETTINGS, ids=[str(m) for m, _ in SETTINGS])
+def test_sharded_step_is_bounded_by_its_limit_and_carries_the_all_reduce_bytes(model, cfg):
+    shape = P.load_model(model) if isinstance(model, str) else P.shape_from_params(model)
+    doc = P.plan(shape, P.PlanConfig(**cfg))
+    for r in doc["rows"]:
+        n = r["world_size"]
+        # The two halves carry what the ring all-reduce carries, latency included.
+        assert r["reduce_scatter_busy_ms"] + r["all_gather_busy_ms"] == pytest.approx(r["comm_busy_ms"])
+        assert r["cross_step_limit_ms"] == pytest.approx(
+            max(r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"] / n, r["comm_busy_ms"]))
+        assert r["cross_step_limit_ms"] <= r["step_sharded_ms"] + 1e-9
+        assert r["cross_step_limit_ms"] <= r["ideal_ms"] + 1e-9        # never above DDP's ceiling
+        assert 0 < r["efficiency_sharded"] <= 1.0 + 1e-12
+        assert min(r["reduce_scatter_exposed_ms"], r["all_gather_exposed_ms"]) >= 0
+        if n == 1:
+            assert r["step_sharded_ms"] == pytest.approx(r["step_overlap_ms"])
+    assert doc["sharded_beats_overlap_at"] == [r["world_size"] for r in doc["rows"] if r["sharded_beats_overlap"]]
+
+
+def test_table_says_where_sharded_beats_overlap(capsys):
+    assert P.main(["--model", "gpt2-124m", "--world-sizes", "1,2,8,64"]) == 0
+    out = capsys.readouterr().out
+    assert "step shard" in out and "limit" in out
+    doc = P.plan(P.load_model("gpt2-124m"), P.PlanConfig(world_sizes=(1, 2, 8, 64)))
+    wins = doc["sharded_beats_overlap_at"]
+    assert 1 not in wins   # one device: nothing to shard, nothing gained
+    line = next(ln for ln in out.splitlines() if ln.startswith("grad_sync='sharded'"))
+    assert ("beats overlap at none" in line) == (not wins)
+    # One bucket: nothing overlaps in either mode (the gather before the forward, the reduce-scatter
+    # after backward), so sharded gains exactly the optimizer's (N-1)/N, and nothing without one.
+    one = dict(bucket_mb=math.inf, world_sizes=(2, 8))
+    doc = P.plan(P.load_model("gpt2-124m"), P.PlanConfig(**one))
+    for r in doc["rows"]:
+        n = r["world_size"]
+        assert r["step_overlap_ms"] - r["step_sharded_ms"] == pytest.approx(r["optimizer_ms"] * (n - 1) / n)
+    free = P.plan(P.load_model("gpt2-124m"), P.PlanConfig(optimizer_bytes_per_param=0, **one))
+    assert free["sharded_beats_overlap_at"] == []
+    assert "beats overlap at none" in P.format_plan_table(free)
+
+
+def test_compare_predicts_a_sharded_run_and_leaves_fsdp2_out():
+    bench = _bench_doc()
+    bench["modes"]["sharded"] = {**bench["modes"]["overlap"], "kind": "sharded", "bucket_mb": 1.0}
+    bench["modes"]["fsdp2-best"] = {**bench["modes"]["overlap"], "kind": "fsdp2", "bucket_mb": True}
+    pred = P.predict_bench(bench)
+    assert "fsdp2-best" not in pred["modes"]
+    comp = P.compare_with_measurement(pred, bench)
+    p = pred["modes"]["sharded"]
+    assert comp["modes"]["sharded"]["predicted"]["step_ms"] == pytest.approx(p["step_sharded_ms"])
+    assert comp["modes"]["sharded"]["predicted"]["exposed_comm_ms"] == pytest.approx(
+        p["reduce_scatter_exposed_ms"] + p["all_gather_exposed_ms"])
+    assert not math.isnan(comp["max_abs_rel_error"]["step_ms"])

@@ -1,0 +1,162 @@
+"""The step report of ``mode="sharded"``: both halves of the communication, busy and exposed.
+
+Two gloo processes run `GradSync(mode="sharded")` under a `StepTimeline`, as the Trainer feeds
+it (``add_comm_later(sync.stats_deferred())`` after ``finish()``, nothing else):
+
+- a step's stats carry the all-gathers the previous optimizer step launched: every bucket's,
+  launched after that step and complete by this step's ``finish()``; none in the first step;
+- what the forward waited for them is measured: a peer that is 0.3 s late to its optimizer step
+  makes the other rank's training forward wait about that long (and not its own); an
+  evaluation forward that waited instead is not counted;
+- the report gains reduce-scatter and all-gather busy/exposed and the cross-step limit, whose
+  parts still add up to the step; other modes show none of them (NaN, not printed).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hfstream.gradsync import GradSync
+from hfstream.testing import run_on_ranks
+from hfstream.timeline import StepRecord, StepTimeline, format_report, summarize
+
+LATE_S = 0.3
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+
+
+def sharded_steps(rank, world_size, mode="sharded", steps=5):
+    model = _model()
+    sync = GradSync(model, mode=mode, bucket_mb=0.01)   # 0.01 MiB: one bucket per layer
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if mode == "sharded":
+        opt = sync.shard_optimizer(opt)
+    timeline = StepTimeline(rank=rank)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(rank))
+    out = {"stats": [], "step_times": [], "buckets": len(sync.buckets)}
+    deferred = []
+    for step in range(steps):
+        timeline.begin_step(step)
+        timeline.data_ready()
+        timeline.forward_start()
+        loss = model(x).pow(2).mean()
+        timeline.forward_end()
+        loss.backward()
+        timeline.backward_end()
+        t0 = time.perf_counter()
+        sync.finish()
+        timeline.add_comm_later(sync.stats_deferred(), (t0, time.perf_counter()))
+        deferred.append(sync.stats_deferred())
+        timeline.optimizer_start()
+        if rank == 1 and step in (2, 3):
+            time.sleep(LATE_S)   # rank 0's gathers of this step cannot complete before rank 1 launches them
+        t_step = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        out["step_times"].append((t_step, time.perf_counter()))
+        timeline.end_step()
+        if step == 3:
+            model.eval()       # an evaluation forward between steps absorbs the wait for step 3's gathers
+            with torch.no_grad():
+                model(x)
+            model.train()
+        out["finish_entered"] = out.get("finish_entered", []) + [t0]
+    out["stats"] = [d() for d in deferred]   # resolved after the fact, as the Trainer's report does
+    out["records"] = [r.as_dict() for r in timeline.records]
+    out["report"] = format_report(summarize(list(timeline.records), warmup=1))
+    sync.close()
+    return out
+
+
+def both_modes(rank, world_size):
+    return {"sharded": sharded_steps(rank, world_size), "overlap": sharded_steps(rank, world_size, "overlap", steps=2)}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_on_ranks(both_modes, 2, timeout=120)   # one spawn for both modes: the default run stays fast
+
+
+@pytest.fixture(scope="module")
+def sharded(runs):
+    return [r["sharded"] for r in runs]
+
+
+@pytest.mark.multiprocess
+def test_each_step_carries_the_previous_steps_all_gathers(sharded):
+    for res in sharded:
+        stats = res["stats"]
+        assert stats[0].num_gathers == 0 and stats[0].gather_busy_ms == 0.0   # nothing was gathered yet
+        for k in range(1, len(stats)):
+            s = stats[k]
+            assert s.num_gathers == res["buckets"] == 4 and s.gather_busy_ms > 0
+            launched_after, finish_entered = res["step_times"][k - 1][0], res["finish_entered"][k]
+            for _, a, b in s.gather_spans:
+                assert launched_after <= a <= b <= finish_entered
+            assert s.gather_busy_ms <= (finish_entered - launched_after) * 1e3
+            assert 0 <= s.gather_exposed_ms <= s.gather_busy_ms + 1.0
+
+
+@pytest.mark.multiprocess
+def test_the_forwards_wait_for_a_late_peers_gathers_is_exposed_time(sharded):
+    r0, r1 = sharded
+    # Step 3's forward waited for the gathers of step 2, which rank 1 launched LATE_S late.
+    assert r0["stats"][3].gather_exposed_ms >= 0.6 * LATE_S * 1e3
+    assert r0["stats"][3].gather_busy_ms >= 0.6 * LATE_S * 1e3
+    assert r1["stats"][3].gather_exposed_ms < 0.5 * LATE_S * 1e3   # its own gathers found the peer ready
+    assert r0["stats"][2].gather_exposed_ms < 0.5 * LATE_S * 1e3
+    # Step 3's gathers were as late, but an evaluation forward waited for them: not step 4's time.
+    assert r0["stats"][4].gather_busy_ms >= 0.6 * LATE_S * 1e3
+    assert r0["stats"][4].gather_exposed_ms < 0.5 * LATE_S * 1e3
+
+
+@pytest.mark.multiprocess
+def test_sharded_report_shows_both_halves_and_the_cross_step_limit(sharded):
+    for res in sharded:
+        for rec in res["records"][1:]:
+            assert rec["reduce_scatter_busy_ms"] + rec["all_gather_busy_ms"] == pytest.approx(rec["comm_busy_ms"])
+            assert rec["reduce_scatter_exposed_ms"] + rec["all_gather_exposed_ms"] == pytest.approx(
+                rec["exposed_comm_ms"])
+            assert rec["all_gather_busy_ms"] > 0 and rec["reduce_scatter_busy_ms"] > 0
+            parts = rec["forward_ms"] + rec["backward_ms"] + rec["optimizer_ms"]
+            assert rec["cross_step_limit_ms"] == pytest.approx(max(parts, rec["comm_busy_ms"]))
+            assert rec["efficiency"] == pytest.approx(rec["cross_step_limit_ms"] / rec["step_ms"])
+            assert parts + rec["exposed_comm_ms"] <= rec["step_ms"] * 1.001 + 0.05
+    # The forward that waited for the late gathers: the wait is exposed comm, not forward compute.
+    late = sharded[0]["records"][3]
+    assert late["all_gather_exposed_ms"] >= 0.6 * LATE_S * 1e3 and late["forward_ms"] < 0.5 * LATE_S * 1e3
+    assert "AG exposed" in sharded[0]["report"] and "cross-step" in sharded[0]["report"]
+
+
+@pytest.mark.multiprocess
+def test_other_modes_have_no_all_gather_fields(runs):
+    for res in (r["overlap"] for r in runs):
+        assert all(math.isnan(s.gather_busy_ms) and s.num_gathers == 0 for s in res["stats"])
+        rec = res["records"][-1]
+        assert all(math.isnan(rec[k]) for k in ("all_gather_busy_ms", "reduce_scatter_busy_ms",
+                                                "cross_step_limit_ms"))
+        assert "AG busy" not in res["report"] and "cross-step" not in res["report"]
+
+
+def test_report_fields_of_a_sharded_record():
+    rec = StepRecord(step=1, data_wait_ms=0, forward_ms=10, backward_ms=20, comm_busy_ms=50, exposed_comm_ms=12,
+                     optimizer_ms=4, step_ms=60, all_gather_busy_ms=20, all_gather_exposed_ms=5)
+    assert rec.reduce_scatter_busy_ms == 30 and rec.reduce_scatter_exposed_ms == 7
+    assert rec.ideal_ms == 10 + 50 + 4 and rec.cross_step_limit_ms == 50   # comm-bound across the step
+    assert rec.efficiency == pytest.approx(50 / 60)
+    compute_bound = StepRecord(1, 0, 30, 40, 50, 2, 6, 80, all_gather_busy_ms=20, all_gather_exposed_ms=1)
+    assert compute_bound.cross_step_limit_ms == 76 and compute_bound.ideal_ms == 86
+    s = summarize([rec, rec], warmup=0)
+    assert s["all_gather_exposed_ms"] == 5 and s["cross_step_limit_ms"] == 50
+    text = format_report(s)
+    assert "AG exposed" in text and "RS busy" in text and "cross-step" in text
+    plain = summarize([StepRecord(1, 0, 10, 20, 30, 5, 4, 50)], warmup=0)
+    assert math.isnan(plain["cross_step_limit_ms"]) and "cross-step" not in format_report(plain)
