@@ -121,6 +121,9 @@ def _mean_breakdown(rows: list[dict[str, float]], steps: float) -> dict[str, flo
     avg = StepRecord(step=0, **{f: _nanmean(r.get(f, math.nan) for r in rows) for f in TIMES})
     out = avg.as_dict()
     out.pop("step")
+    if math.isnan(out["all_gather_busy_ms"]):   # not grad_sync="sharded": those fields do not exist
+        for key in SHARDED_FIELDS:
+            out.pop(key, None)
     out["steps"] = steps
     return out
 
