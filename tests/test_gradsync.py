@@ -560,3 +560,35 @@ def test_tied_weight_planned_once():
     model = TiedLM()
     names = [n for b in GradSync(model, bucket_mb=0).buckets for n in b.names]
     assert names == ["mix.bias", "mix.weight", "embed.weight"]
+
+
+# -- gradients as views of the bucket buffers (DDP's gradient_as_bucket_view) -------------------------
+def _grad_storage_suite(rank, world_size):
+    torch.manual_seed(0)
+    out = {}
+    for wire in (None, "bf16"):
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        ref = [p.detach().clone() for p in model.parameters()]
+        with GradSync(model, bucket_mb=0.0005, comm_dtype=wire) as sync:
+            for step in range(2):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
+                model(x).pow(2).mean().backward()
+                sync.finish()
+                buffers = {st.buffer.untyped_storage().data_ptr() for st in sync._states}
+                separate = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                               if p.grad.untyped_storage().data_ptr() not in buffers)
+                means = [p.grad.clone() for p in model.parameters()]
+                model.zero_grad()
+        out[wire or "fp32"] = dict(separate_bytes=separate, grad_bytes=sum(p.numel() * 4 for p in ref),
+                                   means=means)
+    return to_bytes(out)
+
+
+@pytest.mark.multiprocess
+def test_gradients_are_views_of_the_bucket_buffers_where_the_wire_has_their_dtype(run_distributed):
+    ranks = from_bytes(run_distributed(_grad_storage_suite, 2, timeout=60))
+    for out in ranks:
+        assert out["fp32"]["separate_bytes"] == 0                                 # held once: in the buckets
+        assert out["bf16"]["separate_bytes"] == out["bf16"]["grad_bytes"]      # bf16 wire: fp32 .grad of their own
+    for a, b in zip(ranks[0]["fp32"]["means"], ranks[1]["fp32"]["means"]):    # and they are the mean
+        assert torch.equal(a, b)

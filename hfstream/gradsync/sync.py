@@ -72,6 +72,7 @@ class _BucketState:
         self.views: list[torch.Tensor] = []       # each parameter's slice of it, in its shape
         self.flags: torch.Tensor | None = None    # one "used" flag per parameter, after the gradients
         self.shard = None                         # mode="sharded": its `sharded.BucketShard`
+        self.grad_views = [False] * len(params)   # per parameter: may .grad be its view (allocate)
         self.reset()
 
     def allocate(self) -> None:
@@ -81,6 +82,10 @@ class _BucketState:
             self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
         self.flags = self.buffer[offset:]
+        # DDP's gradient_as_bucket_view: where the wire has the gradient's dtype and layout, the
+        # parameter's .grad becomes its slice of the buffer once packed, so the mean arrives in
+        # .grad without a copy and the gradient is held once, not twice.
+        self.grad_views = [self.wire_dtype == p.dtype and p.is_contiguous() for p in self.params]
 
     def reset(self) -> None:
         n = len(self.params)
@@ -354,10 +359,14 @@ class GradSync:
                 raise RuntimeError(f"GradSync does not support sparse gradients ({st.plan.names[slot]!r})")
             if stream is not None:
                 streams.record_stream(grad, stream)   # keep its memory until the side stream has read it
+            if not st.used[slot] and grad.data_ptr() == dst.data_ptr():
+                p.grad = grad = grad.clone()   # an old gradient, not this step's: it must stay as it is
             # Divide before the sum, in the gradient's precision: sum(g_r / N) is the mean, and
             # partial sums on a compressed wire stay within max_r |g_r|. One op per parameter that
             # scales while it copies (measured faster on CPU than a fused copy and a scaling pass).
             torch.div(grad, world_size, out=dst)
+            if self._sharded is None and st.used[slot] and st.grad_views[slot]:
+                p.grad = dst   # the buffer holds it now; the separate gradient is freed
         if self._sharded is not None:
             self._sharded.packed(st)   # no "used" flags: an unused parameter's slice gets a zero mean
             return
@@ -435,6 +444,11 @@ class GradSync:
         for slot, (p, mean) in enumerate(zip(st.params, st.views)):
             if used_anywhere is not None and not used_anywhere[slot]:
                 continue   # no rank used it: leave .grad untouched (None stays None), as DDP does
+            if p.grad is not None and p.grad.data_ptr() == mean.data_ptr():
+                continue   # .grad is the bucket's view: the mean is there already
+            if p.grad is None and st.grad_views[slot]:
+                p.grad = mean
+                continue
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             grads.append(p.grad)
