@@ -198,8 +198,9 @@ def test_quick_bench_writes_every_mode_with_consistent_ratios(tmp_path, capsys):
     assert math.isnan(result["modes"]["fsdp2-best"]["comm_busy_ms"])   # FSDP2 hides its collectives
     sharded = result["modes"]["sharded"]
     assert sharded["all_gather_busy_ms"] > 0 and sharded["reduce_scatter_busy_ms"] > 0
-    assert sharded["comm_busy_ms"] == pytest.approx(sharded["all_gather_busy_ms"] + sharded["reduce_scatter_busy_ms"],
-                                                    rel=0.2)   # medians of per-step sums
+    # comm busy is the median of per-step sums of both halves: never below either half's median
+    # (each step's sum is at least that half), whatever the load does to the medians.
+    assert sharded["comm_busy_ms"] >= max(sharded["all_gather_busy_ms"], sharded["reduce_scatter_busy_ms"]) - 1e-6
     # ddp-best is the fastest of the DDP sweep it reports, and overlap-best uses its bucket; so for
     # sharded-best and fsdp2-best among theirs.
     for kind, mode in (("ddp", "ddp-best"), ("sharded", "sharded-best"), ("fsdp2", "fsdp2-best")):
