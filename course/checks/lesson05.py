@@ -875,6 +875,22 @@ def read_trace(path) -> dict:
             "lanes": lanes}
 
 
+def trace_findings(found: dict) -> list[str]:
+    """What a `trace_overlap_step` trace shows, in sentences (lessons 05 and 06 print them)."""
+    lines = []
+    bwd = found["device_backward"]
+    if bwd:
+        lines.append(f"backward's kernels on the device: {bwd[0]:.2f} to {bwd[1]:.2f} ms after loss.backward() "
+                     f"started on the host")
+    if found["comm_device"]:
+        lines.append(f"{len(found['comm_device'])} all-reduce kernels on the device, {found['comm_before_backward_end']} "
+                     f"of them starting before backward's last kernel ends")
+    else:
+        lines.append("no all-reduce kernel in the trace: this backend ran the one-rank reductions without the device; "
+                     "the host lanes still show each launch from its hook")
+    return lines
+
+
 def trace_figure(found: dict, path, title: str) -> Path:
     """One lane per host thread / device stream of a `read_trace` result; backward in blue."""
     from matplotlib.figure import Figure

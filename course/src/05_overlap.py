@@ -423,23 +423,15 @@ print(f"loss.backward() returned on the host at {(h1 - h0) * 1e3:.3f} ms")
 
 # %% tags=["gpu"]
 # GPU: a torch.profiler trace of one step on a one-rank NCCL group: backward's kernels on the compute stream and each gradient's all-reduce on NCCL's own stream, with how many of them start before backward's last kernel ends; above them, the host launching each reduction from its hook.
-from course.checks.lesson05 import trace_figure, trace_overlap_step
+from course.checks.lesson05 import trace_figure, trace_findings, trace_overlap_step
 
 dev = accelerator_device()
 if dev.type != "cuda":
     print(f"this cell needs NCCL (CUDA); {dev.type} has no NCCL backend, so it is skipped")
 else:
     found = trace_overlap_step(dev, figure_path("05_trace.json"), bucket_mb=0.0)
-    bwd = found["device_backward"]
     print(f"backend {found['backend']}, {found['buckets']} all-reduces (one per parameter); trace: {found['path']}")
-    if bwd:
-        print(f"backward's kernels on the device: {bwd[0]:.2f} to {bwd[1]:.2f} ms after loss.backward() started on the host")
-    if found["comm_device"]:
-        print(f"{len(found['comm_device'])} all-reduce kernels on the device, {found['comm_before_backward_end']} of "
-              f"them starting before backward's last kernel ends")
-    else:
-        print("no all-reduce kernel in the trace: this backend ran the one-rank reductions without the device; "
-              "the host lanes still show each launch from its hook")
+    print("\n".join(trace_findings(found)))
     show(trace_figure(found, figure_path("05_trace.png"),
                       title="one step, profiled (real, not simulated): one-rank NCCL all-reduce per parameter"))
 

@@ -350,23 +350,15 @@ print(f"{len(grads)} gradients, {flat.numel() * 4 / 2**20:.0f} MiB packed into o
 
 # %% tags=["gpu"]
 # GPU: a torch.profiler trace of one bucketed step on a one-rank NCCL group: the packing copies on the compute stream between backward's kernels, one all-reduce per bucket on NCCL's own stream, and how many of them start before backward's last kernel ends.
-from course.checks.lesson05 import trace_figure, trace_overlap_step
+from course.checks.lesson05 import trace_figure, trace_findings, trace_overlap_step
 
 dev = accelerator_device()
 if dev.type != "cuda":
     print(f"this cell needs NCCL (CUDA); {dev.type} has no NCCL backend, so it is skipped")
 else:
     found = trace_overlap_step(dev, figure_path("06_trace.json"), bucket_mb=1.0)
-    bwd = found["device_backward"]
     print(f"backend {found['backend']}, {found['buckets']} buckets of about 1 MiB; trace: {found['path']}")
-    if bwd:
-        print(f"backward's kernels on the device: {bwd[0]:.2f} to {bwd[1]:.2f} ms after loss.backward() started on the host")
-    if found["comm_device"]:
-        print(f"{len(found['comm_device'])} all-reduce kernels on the device, {found['comm_before_backward_end']} of "
-              f"them starting before backward's last kernel ends")
-    else:
-        print("no all-reduce kernel in the trace: this backend ran the one-rank reductions without the device; "
-              "the host lanes still show each launch from its hook")
+    print("\n".join(trace_findings(found)))
     show(trace_figure(found, figure_path("06_trace.png"),
                       title="one bucketed step, profiled (real, not simulated): one-rank NCCL, 1 MiB buckets"))
 

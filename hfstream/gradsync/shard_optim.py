@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from . import shard_state
-from .shard_state import carry_over  # noqa: F401  (sharded.py calls it here)
 
 # Optimizers already sharded, and by which GradSync (weakly: the registry keeps nothing alive).
 _SHARDED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, str]" = weakref.WeakKeyDictionary()

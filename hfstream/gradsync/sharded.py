@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from . import collectives, faults, shard_optim
+from . import collectives, faults, shard_optim, shard_state
 
 
 class BucketShard:
@@ -168,7 +168,7 @@ class ShardedBuckets:
     def rebuilt(self, old_states) -> None:
         """After a re-plan (between steps, gathers waited): new slices; gradients and optimizer state move along."""
         self._build(self.sync._states)
-        shard_optim.carry_over(self.optimizer, old_states, self.sync._states, self.sync._named,
+        shard_state.carry_over(self.optimizer, old_states, self.sync._states, self.sync._named,
                                self.sync.process_group, self.sync.world_size)
         shard_optim.install(self.optimizer, self.sync._states)
         for st in self.sync._states:
