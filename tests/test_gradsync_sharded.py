@@ -507,3 +507,28 @@ def test_bad_norm_type_names_the_argument():
     with GradSync(TiedFrozenBranch(), mode="sharded") as sync:
         with pytest.raises(ValueError, match="norm_type=0.0 is not valid"):
             sync.clip_grad_norm_(1.0, norm_type=0)
+
+
+def misfit_state_dicts(rank, world_size):
+    torch.manual_seed(0)
+    model = TiedFrozenBranch()
+    sync = GradSync(model, mode="sharded", bucket_mb=CAPS["several"])
+    opt = sync.shard_optimizer(make_optimizer(model, "sgd"))
+    errors = {}
+    local = opt.state_dict()
+    local["hfstream_shard"] = dict(local["hfstream_shard"], rank=1 - rank)   # another rank's shard
+    other_model = {"state": {}, "param_groups": [{**g, "params": [0]} for g in local["param_groups"]]}
+    for name, sd in (("other rank", local), ("other model", other_model)):
+        try:
+            opt.load_state_dict(sd)
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    sync.close()
+    return errors
+
+
+def test_a_state_dict_for_another_shard_or_model_is_refused_with_what_to_load():
+    for errors in run_on_ranks(misfit_state_dicts, 2, timeout=60):
+        assert "only fits the layout it was cut from" in errors["other rank"] and "optimizer_state_dict()" in errors["other rank"]
+        assert "saved for another model or another optimizer setup" in errors["other model"]
