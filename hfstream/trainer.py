@@ -96,6 +96,10 @@ class StreamTrainerMixin:
         self._watchdog = None
         self._loader_collectives = False   # the train loader broadcasts batches (DataLoaderDispatcher)
         self._notes: list[str] = []        # what was given up this run, and why (logged once each)
+        self._reads_before_forward: list[str] | None = None   # sharded: what compute_loss reads first (once seen)
+        from .sharded_trainer import CallbackGuard
+
+        CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._optimizer_sharded else None, self._note)
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
@@ -239,7 +243,6 @@ class StreamTrainerMixin:
         if training and self._hfstream_sync and (self.grad_sync is None or self.grad_sync.closed):
             from .gradsync import GradSync
 
-            previous = self.grad_sync   # the last train()'s, closed: a sharded optimizer is cut by it
             # Autocast and device placement from Accelerate, but no DDP wrapper: prepare_model
             # marks the module as prepared, so the Trainer's later prepare() leaves it alone.
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
@@ -255,8 +258,11 @@ class StreamTrainerMixin:
                 broadcast_buffers=bool(self.args.ddp_broadcast_buffers),
             )
             release_at_exit(self.grad_sync)   # a finished run must exit 0 (clean_exit.py)
+            # Only the Trainer's own training step synchronises: a backward in a callback (a gradient
+            # diagnostic) accumulates locally, as under DDP, whose reducer only follows its forward.
+            self.grad_sync.require_backward_grad_sync = False
             if self.grad_sync_mode == "sharded":
-                self._shard_optimizer(previous)
+                self._shard_optimizer()
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
                 logger.info("hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
                             self.args.ddp_bucket_cap_mb)
@@ -264,19 +270,17 @@ class StreamTrainerMixin:
             self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(self._forward_done)
         return super()._wrap_model(model, training=training, dataloader=dataloader)
 
-    def _shard_optimizer(self, previous) -> None:
+    def _shard_optimizer(self) -> None:
         """grad_sync="sharded": the optimizer the Trainer built (or was given) keeps this rank's slices only.
 
         Converted in place (same object, class, groups; the scheduler is built on it next). A
         second train() re-cuts the state the last one left to the new GradSync's slices.
         """
-        from .gradsync import shard_state
-
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)   # inside Accelerate's wrapper
-        if previous is not None and previous._sharded is not None and previous._sharded.optimizer is optimizer:
-            shard_state.reshard(previous, self.grad_sync, optimizer)
-        else:
+        try:
             self.grad_sync.shard_optimizer(optimizer)
+        except ValueError as exc:
+            raise ValueError(f"optim={self.args.optim!r} with grad_sync='sharded': {exc}") from None
 
     def _say_what_ddp_options_do(self) -> None:
         """DDP's own options set for a run whose gradients hfstream reduces: say once what becomes of each."""
@@ -362,9 +366,11 @@ class StreamTrainerMixin:
             sync.require_backward_grad_sync = syncs
         if timeline is not None:
             timeline.forward_start()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        loss = self._step_reading_parameters_first(model, inputs, num_items_in_batch)
         if timeline is not None:
             timeline.backward_end()
+        if sync is not None:
+            sync.require_backward_grad_sync = False   # until the next training step
         if sync is not None and syncs:
             t0 = time.perf_counter()
             sync.finish()
@@ -378,6 +384,30 @@ class StreamTrainerMixin:
             timeline.optimizer_start()
         return loss
 
+    def _step_reading_parameters_first(self, model, inputs, num_items_in_batch):
+        """`Trainer.training_step`; under sharded, current parameters for a ``compute_loss`` that reads them first.
+
+        An overridden ``compute_loss`` is watched in the first step: if it reads parameters before
+        the forward (a penalty on the weights), every later step waits for the gathers before it.
+        """
+        from .sharded_trainer import PreForwardReads, overrides_compute_loss
+
+        if not self._optimizer_sharded or not overrides_compute_loss(self):
+            return super().training_step(model, inputs, num_items_in_batch)
+        if self._reads_before_forward is None and not self.args.torch_compile:
+            with PreForwardReads(self.grad_sync.hooked_parameters, model) as watch:
+                loss = super().training_step(model, inputs, num_items_in_batch)
+            self._reads_before_forward = watch.read
+            if watch.read:
+                self._note(f"hfstream: {type(self).__name__}.compute_loss reads parameters before the forward "
+                           f"({', '.join(watch.read[:3])}{' ...' if len(watch.read) > 3 else ''}): under "
+                           f"grad_sync='sharded' every step now waits for the parameter all-gathers before it, so "
+                           f"they no longer overlap the forward. Compute such terms after the forward to keep it")
+            return loss
+        if self._reads_before_forward or self.args.torch_compile:   # compiled: the forward waits first anyway
+            self.grad_sync.wait_for_params()
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def _clip_grad_norm(self, model):
         if self._optimizer_sharded:   # the norm of the whole mean gradient, from every rank's slices
             return self.grad_sync.clip_grad_norm_(self.args.max_grad_norm)
@@ -389,26 +419,13 @@ class StreamTrainerMixin:
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """grad_sync="sharded": every rank's slices saved whole, as the unsharded optimizer's state dict.
-
-        The file is the one the stock Trainer writes (``optimizer.pt``), layout-free: resuming on
-        another process count or bucket cap, or with the stock Trainer, loads it; the sharded
-        optimizer's ``load_state_dict`` cuts it into this rank's slices (`gradsync.shard_state`).
-        """
+        """grad_sync="sharded": the stock ``optimizer.pt``, gathered whole from every rank's slices."""
         if not self._optimizer_sharded:
             return super()._save_optimizer_and_scheduler(output_dir)
-        import warnings
-
-        import torch
-        from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, reissue_pt_warnings
+        from .sharded_trainer import save_optimizer
 
         self._watch(f"saving the optimizer of step {self.state.global_step} (gathering every rank's slices)")
-        state = self.grad_sync.optimizer_state_dict(keep=self.args.should_save)   # a collective
-        if self.args.should_save:
-            torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
-            with warnings.catch_warnings(record=True) as caught:
-                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
-            reissue_pt_warnings(caught)
+        save_optimizer(self, output_dir)
 
     # -- between steps ---------------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, *args, **kwargs):

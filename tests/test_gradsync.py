@@ -574,7 +574,7 @@ def _grad_storage_suite(rank, world_size):
                 x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * step + rank))
                 model(x).pow(2).mean().backward()
                 sync.finish()
-                buffers = {st.buffer.untyped_storage().data_ptr() for st in sync._states}
+                buffers = {st.buffer.untyped_storage().data_ptr() for st in sync.bucket_states}
                 separate = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                                if p.grad.untyped_storage().data_ptr() not in buffers)
                 means = [p.grad.clone() for p in model.parameters()]

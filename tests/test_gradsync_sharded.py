@@ -89,6 +89,8 @@ def make_optimizer(model, kind):
     groups = [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 0.05 if kind == "sgd" else 5e-3}]
     if kind == "sgd":
         return torch.optim.SGD(groups, lr=0.1, momentum=0.9, weight_decay=0.1)
+    if kind == "adagrad":   # creates its state in __init__
+        return torch.optim.Adagrad(groups, lr=0.1, initial_accumulator_value=0.5, weight_decay=0.1)
     return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
 
 
@@ -118,22 +120,30 @@ def _state(model):
 
 
 # -- parity ----------------------------------------------------------------------------------------
-def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype=None, trace=False):
+def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype=None, trace=False, prestep=False):
     """Sharded training on this rank's share; on rank 0 also the single-process reference on the whole batch.
 
     ``trace`` records the parameters after every step (through ``wait_for_params()``); otherwise
     the steps run untouched (gathers overlap the next forward) and the final parameters are
-    read through ``state_dict()``.
+    read through ``state_dict()``. ``prestep``: the optimizer steps once, unsharded, before it is
+    sharded (every rank alike): that state must be kept.
     """
-    torch.manual_seed(100 + rank)   # different weights per rank until the broadcast
+    torch.manual_seed(100 + (0 if prestep else rank))   # different weights per rank until the broadcast
     model = TiedFrozenBranch()
     ref = copy.deepcopy(model) if rank == 0 else None   # rank 0 is the broadcast source
+    opt = make_optimizer(model, kind)
+    ref_opt = make_optimizer(ref, kind) if ref is not None else None
+    if prestep:
+        for m, o in ((model, opt), (ref, ref_opt)):
+            if m is not None:
+                loss_fn(m, make_batch(99)).backward()
+                o.step()
+                o.zero_grad()
     sync = GradSync(model, mode="sharded", bucket_mb=bucket_mb, comm_dtype=comm_dtype)
-    opt = sync.shard_optimizer(make_optimizer(model, kind))
+    opt = sync.shard_optimizer(opt)
     sched = make_scheduler(opt)
     out = {"norms": [], "ref_norms": [], "trace": [], "ref_trace": [], "num_buckets": len(sync.buckets)}
     if ref is not None:
-        ref_opt = make_optimizer(ref, kind)
         ref_sched = make_scheduler(ref_opt)
     for step in range(STEPS):
         batch = make_batch(step)
@@ -169,6 +179,8 @@ def parity_suite(rank, world_size):
         results[name] = train_parity(rank, world_size, bucket_mb=cap, trace=name == "several")
     results["accum4"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], accum=4)
     results["adamw"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], kind="adamw")
+    results["adagrad"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], kind="adagrad")
+    results["adamw_stepped"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], kind="adamw", prestep=True)
     results["bf16_wire"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], comm_dtype="bf16")
     return to_bytes(results)
 
@@ -186,9 +198,10 @@ def _assert_close(got, want, rtol, atol, what):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("config", ["one_bucket", "several", "per_param", "accum4", "adamw"])
+@pytest.mark.parametrize("config", ["one_bucket", "several", "per_param", "accum4", "adamw", "adagrad",
+                                    "adamw_stepped"])
 def test_sharded_training_matches_single_process_on_the_whole_batch(parity, config):
-    rtol, atol = (ADAMW_RTOL, ADAMW_ATOL) if config == "adamw" else (RTOL, ATOL)
+    rtol, atol = (ADAMW_RTOL, ADAMW_ATOL) if config.startswith("adamw") else (RTOL, ATOL)
     ref = parity[0][config]
     for rank in (0, 1):
         res = parity[rank][config]
@@ -316,19 +329,21 @@ def test_each_rank_holds_about_half_the_optimizer_state(auto_and_memory):
 
 # -- the gathers behind the next forward, and misuse that needs two ranks --------------------------
 class Chain(nn.Module):
-    """Four layers used in order, and a layer whose weight only the parent reads (``reads_other``)."""
+    """Four layers used in order, and a layer ``side`` that the parent may call, read directly, or skip."""
 
-    def __init__(self):
+    def __init__(self, side: str = "skip"):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
         self.side = nn.Linear(16, 16)
-        self.reads_other = False
+        self.use_side = side   # "skip", "call" or "read" (self.side's own forward does not run)
 
     def forward(self, x):
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        if self.reads_other:
-            x = x + F.linear(x, self.side.weight)   # self.side's own forward never runs
+        if self.use_side == "call":
+            x = x + self.side(x)
+        elif self.use_side == "read":
+            x = x + F.linear(x, self.side.weight)
         return x
 
 
@@ -358,7 +373,7 @@ def behaviour_suite(rank, world_size):
     for handle in handles:
         handle.remove()
     out["pending_per_layer"] = seen
-    out["pending_after_forward"] = sorted(sync.params_pending)   # `side` only: no forward reached it
+    out["pending_after_forward"] = sorted(sync.params_pending)
     sync.wait_for_params()
     out["pending_after_wait"] = list(sync.params_pending)
     out["after_wait"] = _state(model)
@@ -370,12 +385,30 @@ def behaviour_suite(rank, world_size):
     opt.step()
     sync.wait_for_params()
     out["after_load"] = all(torch.equal(v, loaded[k]) for k, v in _state(model).items())
-    # A parameter read without its owner's forward, before its gather arrived: refused, not stale.
-    model.reads_other = True
+    # `side` never ran in the first forward: its parent waits for it, so reading it there is current.
+    model.use_side = "read"
     model(x).pow(2).mean().backward()
     sync.finish()
     opt.step()
     opt.zero_grad()
+    out["read_by_parent"] = None
+    try:
+        model(x).pow(2).mean().backward()
+        sync.finish()
+    except RuntimeError as exc:
+        out["read_by_parent"] = str(exc)
+    sync.close()
+    # A module that ran in the first forward waits in its own pre-hook; reading its weight elsewhere
+    # first, before its gather arrived, is refused, not silently stale.
+    torch.manual_seed(0)
+    model = Chain(side="call")
+    sync = GradSync(model, mode="sharded", bucket_mb=0)
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+    model(x).pow(2).mean().backward()
+    sync.finish()
+    opt.step()
+    opt.zero_grad()
+    model.use_side = "read"
     try:
         model(x).pow(2).mean().backward()
         out["stale_read"] = None
@@ -400,9 +433,16 @@ def test_next_forward_waits_for_each_layers_parameters_only_when_it_reaches_them
         n = res["num_buckets"]
         assert n == 10 and res["pending_after_step"] == list(range(n))
         assert res["stale_before_forward"]   # the model holds the old values until the gathers are waited for
-        # Layer i's two buckets (weight, bias) are waited for as layer i starts; the later layers' are not yet.
-        assert res["pending_per_layer"] == [(0, 6 + 2), (1, 4 + 2), (2, 2 + 2), (3, 0 + 2)]
-        assert len(res["pending_after_forward"]) == 2
+        # Layer i's two buckets (weight, bias) are waited for as layer i starts; the later layers' are not
+        # yet. `side` never ran in the first forward, so the root waited for its two buckets at the start.
+        assert res["pending_per_layer"] == [(0, 6), (1, 4), (2, 2), (3, 0)]
+        assert res["pending_after_forward"] == []
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_whose_module_never_ran_is_current_when_its_parent_reads_it(behaviour):
+    for res in behaviour:   # a PEFT ParameterDict, a weight read with F.linear: never "read before its gather"
+        assert res["read_by_parent"] is None, res["read_by_parent"]
 
 
 @pytest.mark.multiprocess
@@ -443,17 +483,6 @@ def test_collectives_probe_checks_every_primitive_it_times():
 
 
 # -- single process: misuse, world size 1 ------------------------------------------------------------
-def test_sharding_an_optimizer_that_has_stepped_is_refused():
-    model = TiedFrozenBranch()
-    sync = GradSync(model, mode="sharded")
-    opt = torch.optim.AdamW(model.parameters())
-    loss_fn(model, make_batch(0)).backward()
-    opt.step()
-    with pytest.raises(RuntimeError, match=r"has state already.*before its first optimizer.step\(\)"):
-        sync.shard_optimizer(opt)
-    sync.close()
-
-
 def test_sharding_an_optimizer_twice_is_refused():
     model = TiedFrozenBranch()
     with GradSync(model, mode="sharded") as sync:

@@ -1,9 +1,9 @@
-"""GradSync: bucketed gradient all-reduce, launched from gradient hooks while backward still runs.
+"""GradSync: bucketed gradient reduction, launched from gradient hooks while backward still runs.
 
 The idea is PyTorch DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating
 Data Parallel Training", VLDB 2020, section 3.2): backward produces gradients roughly in reverse
 registration order, so group them into buckets (`buckets.py`) and launch each bucket's
-all-reduce *asynchronously* the moment its last gradient exists. The reduction of the last
+reduction *asynchronously* the moment its last gradient exists. The reduction of the last
 layers' gradients then runs while backward computes the first layers' gradients, and only the
 tail of the communication is left to wait for at the end. Unlike DDP this hooks the module in
 place: there is no wrapper, so ``state_dict`` keys, ``save_pretrained`` and ``unwrap_model``
@@ -12,10 +12,15 @@ see the model exactly as before.
 Where gradients leave and where they come back:
 
     _on_grad_ready   a parameter's gradient is accumulated (``register_post_accumulate_grad_hook``)
-    _launch, _pack   every bucket that is complete is copied into its flat buffer, scaled by
-                     1/world_size, and all-reduced with ``async_op=True`` -- in plan order only
-    finish()         launches what is left, then waits for each bucket in turn and copies its
-    _unpack          mean back into ``.grad`` while the later buckets are still on the wire
+    _launch          every bucket that is complete is packed (gradient / world size into its flat
+                     buffer) and reduced with ``async_op=True`` -- in plan order only
+    finish()         launches what is left, then waits for each bucket in turn and writes its
+                     result back while the later buckets are still on the wire
+
+This file is the lifecycle every mode shares. What differs by mode -- how a bucket is packed,
+which collective reduces it, where the result goes -- is a `reduction.Reduction` strategy chosen
+once in ``__init__``: `reduction.AllReduce` for ``"overlap"``/``"serial"``,
+`sharded.ShardedReduction` for ``"sharded"`` (docs/design.md sections 2 and 7).
 
 Two rules keep every rank's collectives matched, which is what stops a rank from hanging:
 buckets are launched in the same (plan) order on every rank, even if a later bucket is complete
@@ -29,12 +34,9 @@ gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
     sync.finish()                                  # .grad is now the mean over ranks
     optimizer.step(); optimizer.zero_grad()
 
-Beside this core: `buckets` (the plan), `order` (planned in the order gradients arrive), `stats`
-(what communication cost), `faults` (bounded waits, what a stuck step waits for), `tune`
-(``bucket_mb="auto"``), `registry` (one GradSync per model), `broadcast` (rank 0's weights),
-`options` (the accepted argument values); ``mode="sharded"`` (reduce-scatter in backward,
-all-gather after the step) is `sharded`, `shard_optim` and `collectives`, called from here
-wherever ``self._sharded`` appears.
+Beside this core: `buckets` (the plan), `bucket_state` (a bucket's phase), `order` (planned in
+the order gradients arrive), `stats`, `faults` (bounded waits), `tune` (``bucket_mb="auto"``),
+`registry` (one GradSync per model), `broadcast` (rank 0's weights), `options`.
 """
 
 from __future__ import annotations
@@ -50,103 +52,63 @@ import torch
 import torch.distributed as dist
 
 from .. import streams
-from . import faults, registry, shard_optim, shard_state
+from . import faults, registry, shard_optim
 from .broadcast import broadcast_from_rank0
+from .bucket_state import BucketState, Phase
 from .buckets import DDP_BUCKET_MB, Bucket, plan_buckets
-from .sharded import ShardedBuckets
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
 from .order import ArrivalOrder, planning_sequence
 from .overlap_check import OverlapCheck
+from .reduction import AllReduce, Reduction, Wiring
+from .sharded import ShardedReduction
 from .stats import StatsRecorder, SyncStats
 from .tune import AutoBucketCap, BucketTuner, TuningResult
 
 logger = logging.getLogger(__name__)
 
 
-class _BucketState:
-    """One bucket at run time: its parameters, flat buffer, in-flight work and readiness."""
-
-    def __init__(self, plan: Bucket, params: list[torch.nn.Parameter], wire_dtype: torch.dtype):
-        self.plan, self.params, self.wire_dtype = plan, params, wire_dtype
-        self.buffer: torch.Tensor | None = None   # allocated at first launch, then reused
-        self.views: list[torch.Tensor] = []       # each parameter's slice of it, in its shape
-        self.flags: torch.Tensor | None = None    # one "used" flag per parameter, after the gradients
-        self.shard = None                         # mode="sharded": its `sharded.BucketShard`
-        self.grad_views = [False] * len(params)   # per parameter: may .grad be its view (allocate)
-        self.reset()
-
-    def allocate(self) -> None:
-        self.buffer = torch.empty(self.plan.numel + len(self.params), dtype=self.wire_dtype, device=self.plan.device)
-        self.views, offset = [], 0
-        for p in self.params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view(p.shape))
-            offset += p.numel()
-        self.flags = self.buffer[offset:]
-        # DDP's gradient_as_bucket_view: where the wire has the gradient's dtype and layout, the
-        # parameter's .grad becomes its slice of the buffer once packed, so the mean arrives in
-        # .grad without a copy and the gradient is held once, not twice.
-        self.grad_views = [self.wire_dtype == p.dtype and p.is_contiguous() for p in self.params]
-
-    def reset(self) -> None:
-        n = len(self.params)
-        self.used = [False] * n    # got a gradient since the last finish() (no_sync steps too)
-        self.ready = [False] * n   # got one in the current synchronised backward
-        self.pending = n
-        self.work = self.done = None
-        self.launch_time = self.end_time = self.start_event = self.end_event = None
-
-
 class GradSync:
-    """Average gradients over data-parallel ranks, overlapping the all-reduce with backward.
+    """Average gradients over data-parallel ranks, overlapping the reduction with backward.
 
     Args:
         model: the module to hook, in place (no wrapper).
         bucket_mb: bucket cap in MiB, DDP's ``bucket_cap_mb`` rule: a bucket is filled until it
             *reaches* the cap; a parameter is never split. 0 = one parameter per bucket,
             ``float('inf')`` = one bucket per (dtype, device), ``"auto"`` (default, as in the
-            Trainer) = tuned online in the first synchronised steps, the same on every rank
-            (`hfstream.gradsync.tune`): DDP's fixed 25 MiB is often far from the best cap.
+            Trainer) = tuned online in the first synchronised steps, the same on every rank.
         mode: ``"overlap"`` launches each bucket from the hooks as soon as it is complete;
-            ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured against);
-            ``"sharded"`` reduce-scatters instead, launched like ``"overlap"``, and all-gathers the
-            parameters after the step of the optimizer returned by `shard_optimizer` (`sharded`,
-            docs/design.md section 7).
+            ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured
+            against); ``"sharded"`` reduce-scatters instead and all-gathers the parameters after
+            the step of the optimizer returned by `shard_optimizer` (docs/design.md section 7).
         process_group: the data-parallel group; None = the default group.
         comm_dtype: None sends gradients in their own dtype; ``"bf16"``/``"fp16"`` compress
             floating-point buckets on the wire: each rank divides by the world size in the
             gradient's precision, the sum runs in ``comm_dtype``, the mean is cast back.
         comm_stream_priority: ``"high"``/``"normal"``: the side stream on which an accelerator packs
-            buckets and issues collectives, so packing is not queued behind backward. NCCL runs its
-            kernels on the group's own stream, whose priority is fixed when the group is created
-            (``pg_options``); the Trainer creates such a group. No effect on CPU/gloo.
+            buckets and issues collectives. NCCL runs its kernels on the group's own stream, whose
+            priority is fixed when the group is created (the Trainer creates such a group).
         first_bucket_mb: cap of the first bucket (the gradients backward produces first); None =
-            ``bucket_mb``. DDP uses 1 MiB there; off by default (docs/benchmarks.md).
+            ``bucket_mb``.
         timeout: seconds ``finish()`` waits before it raises, naming what did not complete
             (default 1800, torch's own; the Trainer passes ``ddp_timeout``). See `faults`.
         broadcast_buffers: also copy rank 0's buffers to every rank before each training forward
-            (DDP's ``broadcast_buffers=True``; one collective per forward). Off by default:
-            buffers are broadcast once, at construction.
+            (DDP's ``broadcast_buffers=True``). Off by default: buffers are broadcast once.
 
     A parameter whose hook did not fire in the synchronised backward still travels in its bucket
     (its ``.grad`` from ``no_sync()`` steps, or zeros), so every rank launches the same
-    collectives; its bucket, and every later one, is then launched from ``finish()``. A "used"
-    flag per parameter travels too: one that *no* rank used keeps ``.grad`` untouched (None stays
-    None), one that some rank used gets the mean, as ``DistributedDataParallel(find_unused_parameters=True)``.
+    collectives. A parameter frozen after construction (``requires_grad_(False)``) is ready
+    from the forward on, so its bucket still launches during backward, and keeps ``.grad`` None.
+    After the first synchronised step the buckets are re-planned in the order the gradients
+    arrived on rank 0 (`order`), so a parameter no rank uses costs only its own bucket.
 
-    A training forward outside ``no_sync()`` announces a synchronised step: ``finish()`` then
-    launches every bucket even on a rank whose backward fired no hook, so its peers never wait
-    for it. After the first synchronised step the buckets are re-planned in the order the
-    gradients arrived on rank 0 (`order`), so a parameter no rank uses costs only its own bucket.
-
-    Construct it after the model has its final device, dtype and frozen parameters (``close()``
-    and construct again after a change). A gradient that arrives after its bucket was launched
-    raises: call ``finish()`` after each synchronised backward and use
+    Construct it after the model has its final device and dtype. A gradient that arrives after its
+    bucket was launched raises: call ``finish()`` after each synchronised backward and use
     ``checkpoint(..., use_reentrant=False)``.
 
     Attributes:
         buckets: the plan, a list of `Bucket` (index, names, numel, nbytes, dtype, device).
         bucket_mb: the cap in use; under ``"auto"`` the string while tuning, then the chosen cap.
-        tuning / tuning_result: the `BucketTuner` while ``"auto"`` tunes; the `TuningResult` after.
+        reduction: the mode's strategy (`reduction.AllReduce` or `sharded.ShardedReduction`).
         require_backward_grad_sync: False makes the hooks only note that a gradient arrived, as
             under ``no_sync()`` (DDP's and Accelerate's name).
         world_size: ranks in the group; 1 (or no process group) means GradSync does nothing.
@@ -154,18 +116,10 @@ class GradSync:
         closed: True after `close()`.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        bucket_mb: float | str = DEFAULT_BUCKET_MB,
-        mode: str = "overlap",
-        process_group: dist.ProcessGroup | None = None,
-        comm_dtype: str | torch.dtype | None = None,
-        comm_stream_priority: str = "high",
-        first_bucket_mb: float | None = None,
-        timeout: float | None = None,
-        broadcast_buffers: bool = False,
-    ):
+    def __init__(self, model: torch.nn.Module, bucket_mb: float | str = DEFAULT_BUCKET_MB, mode: str = "overlap",
+                 process_group: dist.ProcessGroup | None = None, comm_dtype: str | torch.dtype | None = None,
+                 comm_stream_priority: str = "high", first_bucket_mb: float | None = None,
+                 timeout: float | None = None, broadcast_buffers: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         check_arguments(mode, bucket_mb, first_bucket_mb, comm_stream_priority, timeout)
@@ -180,9 +134,8 @@ class GradSync:
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
 
-        self._named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        registry.claim(self, [p for _, p in self._named])   # raises if another GradSync hooks this model
-
+        self._hooked = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        registry.claim(self, [p for _, p in self._hooked])   # raises if another GradSync hooks this model
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         if process_group is not None and dist.get_rank(process_group) < 0:
@@ -190,22 +143,24 @@ class GradSync:
         self.process_group = process_group
         self.world_size = 1 if process_group is None else dist.get_world_size(process_group)
         self._active = self.world_size > 1
-        self._sharded = ShardedBuckets(self) if (mode == "sharded" and self._active) else None
         self.closed = False
-        self._abandoned: list = []   # (buffer, work) of collectives that never completed
+        self.notes: list[str] = []              # what was given up, and why (said once, in the log too)
         self._handles: list = []
-        self._states: list[_BucketState] = []
-        self._where: list[tuple[_BucketState, int]] = []   # per hooked parameter: its bucket and slot
-        self._streams: dict[torch.device, object] = {}
+        self._states: list[BucketState] = []
+        self._where: list[tuple[BucketState, int]] = []   # per hooked parameter: its bucket and slot
+        self._comm_streams: dict[torch.device, object] = {}
         self._lock = threading.Lock()   # hooks may run on several autograd device threads
         self._recorder = StatsRecorder()
+        self._wiring = Wiring(model, self._hooked, process_group, self.world_size, self.rank, self.timeout_s,
+                              self._recorder, self._comm_streams, self._say)
+        self.reduction: Reduction = (ShardedReduction(self._wiring) if mode == "sharded"
+                                     else AllReduce(self._wiring, serial=mode == "serial"))
         self._auto: AutoBucketCap | None = None
         self.tuning_result: TuningResult | None = None
-        self._plan_named = list(self._named)   # what the planner walks (backwards): registration order at first
-        self._arrival = ArrivalOrder(len(self._named))
-        self._agree_device = self._named[-1][1].device if self._named else torch.device("cpu")
+        self._plan_named = list(self._hooked)   # what the planner walks (backwards): registration order at first
+        self._arrival = ArrivalOrder(len(self._hooked))
+        self._agree_device = self._hooked[-1][1].device if self._hooked else torch.device("cpu")
         self._steps = 0                         # synchronised steps finished
-        self.notes: list[str] = []              # what was given up, and why (said once, in the log too)
         self._overlap = OverlapCheck()         # says once when reductions could not overlap backward
 
         auto = bucket_mb == "auto"
@@ -220,14 +175,16 @@ class GradSync:
         self._reset_step()
         if self._active:
             broadcast_from_rank0(model, process_group)
-            self._build_states()
-            for i, (_, p) in enumerate(self._named):
+            self._build_states(previous=None)
+            for i, (_, p) in enumerate(self._hooked):
                 # The hook knows the parameter's position only: _where maps it to its current
                 # bucket, so re-planning (bucket_mb="auto") needs no new hooks.
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)))
-            self._handles.append(model.register_forward_pre_hook(self._on_forward))
+            # Never traced by torch.compile: it keeps Python state a compiled graph would freeze.
+            self._handles.append(model.register_forward_pre_hook(torch.compiler.disable(self._on_forward)))
             self._hint_nccl_priority()
 
+    # -- what other modules may read -----------------------------------------------------------------
     @property
     def tuning(self) -> BucketTuner | None:
         """The tuner while ``bucket_mb="auto"`` is still trying caps; None otherwise."""
@@ -235,239 +192,69 @@ class GradSync:
 
     @property
     def broken(self) -> bool:
-        """True once a reduction failed to complete: its collectives may still be in flight."""
-        return bool(self._abandoned)
+        """True once a collective failed to complete: it may still be in flight."""
+        return bool(self._wiring.abandoned)
 
     @property
     def rank(self) -> int:
         return dist.get_rank(self.process_group) if self.process_group is not None else 0
 
+    @property
+    def hooked_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of every parameter GradSync averages, in registration order."""
+        return list(self._hooked)
+
+    @property
+    def bucket_states(self) -> list[BucketState]:
+        """The buckets at run time (buffers, phase), in plan order; empty with one process."""
+        return list(self._states)
+
+    def keep_plan(self) -> None:
+        """Never re-plan in the order gradients arrive (the plan stays in registration order)."""
+        self._arrival.done = True
+
+    def _say(self, note: str) -> None:
+        if note not in self.notes:
+            self.notes.append(note)
+            logger.warning(note)
+
+    # -- the plan ---------------------------------------------------------------------------------
     def _plan_for(self, cap_mb: float) -> list[Bucket]:
         return plan_buckets(self._plan_named, cap_mb, self.first_bucket_mb)
 
-    def _build_states(self) -> None:
+    def _build_states(self, previous: list[BucketState] | None) -> None:
         """Run-time state for ``self.buckets``; points every parameter's hook at its bucket."""
-        index = {id(p): i for i, (_, p) in enumerate(self._named)}
-        by_name = dict(self._named)
-        self._states = []
-        self._where = [None] * len(self._named)
+        index = {id(p): i for i, (_, p) in enumerate(self._hooked)}
+        by_name = dict(self._hooked)
+        self._states, self._where = [], [None] * len(self._hooked)
         for plan in self.buckets:
             wire = self.comm_dtype if (self.comm_dtype is not None and plan.dtype.is_floating_point) else plan.dtype
-            st = _BucketState(plan, [by_name[n] for n in plan.names], wire)
+            st = BucketState(plan, [by_name[n] for n in plan.names], wire)
             self._states.append(st)
             for slot, p in enumerate(st.params):
                 self._where[index[id(p)]] = (st, slot)
-            if (streams.is_accelerator(plan.device) and plan.device not in self._streams
+            if (streams.is_accelerator(plan.device) and plan.device not in self._comm_streams
                     and streams.has_side_streams(plan.device)):
-                self._streams[plan.device] = streams.new_stream(plan.device, self.comm_stream_priority)
+                self._comm_streams[plan.device] = streams.new_stream(plan.device, self.comm_stream_priority)
+        self.reduction.planned(self._states, previous)
 
-    def _hint_nccl_priority(self) -> None:
-        if self.comm_stream_priority != "high" or not self._streams:
-            return
-        try:
-            if "nccl" not in str(dist.get_backend(self.process_group)):
-                return
-            device = next(iter(self._streams))
-            high = self.process_group._get_backend(device).options.is_high_priority_stream
-        except Exception:   # private accessor: a hint is not worth an error
-            return
-        if not high:
-            logger.info("GradSync: NCCL kernels run on the process group's own stream at normal priority; "
-                        "create the group with pg_options=ProcessGroupNCCL.Options(is_high_priority_stream=True) "
-                        "to raise it (GradSync packs buckets on a high-priority stream either way)")
-
-    # -- where gradients leave -------------------------------------------------------------------
-    def _on_forward(self, module: torch.nn.Module, _args) -> None:
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        if self._sharded is not None:
-            self._sharded.forward_started()   # raises until the optimizer is sharded
-        if self.require_backward_grad_sync:
-            self._forward_time = time.perf_counter()
-            # A synchronised forward promises a synchronised backward. If this rank's backward then
-            # fires no hook (no parameter used on its batch), finish() must still launch every
-            # bucket, or the peers wait for it until the timeout. DDP's forward prepares its
-            # reducer the same way.
-            with self._lock:
-                self._sync_pending = True
-        if self.broadcast_buffers:
-            broadcast_from_rank0(self.model, self.process_group, buffers_only=True)
-
-    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        with self._lock:
-            st, slot = self._where[i]
-            if self._sharded is not None:
-                self._sharded.check_current(st, slot)   # raises if the forward read a stale value
-            if st.work is not None:
-                # finish() would overwrite this contribution with the mean computed without it.
-                raise RuntimeError(
-                    f"GradSync: parameter {st.plan.names[slot]!r} received another gradient after its bucket "
-                    f"{st.plan.index} was launched. Call finish() after every synchronised backward, run earlier "
-                    f"backward passes under no_sync(), and use checkpoint(..., use_reentrant=False)"
-                )
-            st.used[slot] = True
-            if not self.require_backward_grad_sync:
-                return   # accumulation micro-step: the gradient just accumulates locally
-            self._sync_pending = True
-            self._last_hook = time.perf_counter()
-            if self._first_hook is None:
-                self._first_hook = self._last_hook
-                if self._auto is not None:
-                    self._auto.step_started(param)
-            if not self._arrival.done:
-                self._arrival.arrived(i)
-            if self.mode == "serial" or st.ready[slot]:
-                return
-            st.ready[slot] = True
-            st.pending -= 1
-            # Launch in plan order only: collectives are matched by the order they are issued, so a
-            # bucket that completes early waits for the ones before it (they complete soon after).
-            states = self._states
-            t0 = time.perf_counter()
-            while self._next < len(states) and states[self._next].pending == 0:
-                self._launch(states[self._next])
-            self._launching_s += time.perf_counter() - t0
-
-    def _launch(self, st: _BucketState) -> None:
-        device = st.plan.device
-        stream = self._streams.get(device)
-        if self._sharded is not None:
-            self._sharded.ready_to_pack(st)
-        if st.buffer is None:
-            st.allocate()
-        if stream is not None:
-            # The gradients were written on the compute stream; the side stream must not read earlier.
-            stream.wait_stream(streams.current_stream(device))
-        with streams.use_stream(stream) if stream is not None else contextlib.nullcontext():
-            self._pack(st, stream)
-            self._recorder.launched(st, stream)
-            st.work = (self._sharded.launch(st) if self._sharded is not None else
-                       dist.all_reduce(st.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True))
-            st.done = st.work.get_future().then(functools.partial(self._recorder.completed, st))
-        self._launch_order.append(st.plan.index)
-        self._next += 1
-
-    @torch.no_grad()
-    def _pack(self, st: _BucketState, stream) -> None:
-        world_size = self.world_size
-        for slot, (p, dst) in enumerate(zip(st.params, st.views)):
-            grad = p.grad
-            if grad is None:
-                dst.zero_()   # no gradient on this rank: it contributes zeros to the mean
-                continue
-            if grad.is_sparse:
-                raise RuntimeError(f"GradSync does not support sparse gradients ({st.plan.names[slot]!r})")
-            if stream is not None:
-                streams.record_stream(grad, stream)   # keep its memory until the side stream has read it
-            if not st.used[slot] and grad.data_ptr() == dst.data_ptr():
-                p.grad = grad = grad.clone()   # an old gradient, not this step's: it must stay as it is
-            # Divide before the sum, in the gradient's precision: sum(g_r / N) is the mean, and
-            # partial sums on a compressed wire stay within max_r |g_r|. One op per parameter that
-            # scales while it copies (measured faster on CPU than a fused copy and a scaling pass).
-            torch.div(grad, world_size, out=dst)
-            if self._sharded is None and st.used[slot] and st.grad_views[slot]:
-                p.grad = dst   # the buffer holds it now; the separate gradient is freed
-        if self._sharded is not None:
-            self._sharded.packed(st)   # no "used" flags: an unused parameter's slice gets a zero mean
-            return
-        if all(st.used):
-            st.flags.fill_(1)
-        else:
-            st.flags.copy_(torch.tensor([float(u) for u in st.used], dtype=st.flags.dtype))
-
-    # -- where gradients come back ---------------------------------------------------------------
-    @torch.no_grad()
-    def finish(self) -> None:
-        """Launch the buckets not launched yet, wait for all, write the mean into ``.grad``.
-
-        A no-op when no synchronised backward ran since the last call (before the first
-        backward, twice in a row, or after a backward under ``no_sync()``).
-
-        Raises:
-            RuntimeError: when a reduction did not complete within ``timeout`` (a peer died,
-                stopped or skipped the step), naming the buckets and parameters.
-        """
-        if not self._active or not self._sync_pending:
-            return
-        t_enter, waits = self._recorder.finish_entered(self._streams)
-        with self._lock:
-            while self._next < len(self._states):
-                self._launch(self._states[self._next])
-        t_done = [t_enter]
-
-        def write_back(st):
-            t_done[0] = time.perf_counter()
-            self._unpack(st)
-
-        failed, error = faults.wait_in_order(self._states, self.timeout_s,
-                                             faults.backend_enforces_timeout(self.process_group), write_back)
-        if failed:
-            report = self.pending_report()
-            # A collective that did not complete may still read or write its buffer (gloo's thread
-            # waits on the peer): keep the buffers and the works alive for the life of this
-            # process, or freeing them under it blocks the process at exit.
-            self._abandoned.extend((st.buffer, st.work) for st in self._states if st.work is not None)
+    def _replan(self, cap_mb: float) -> None:
+        # Only between steps (nothing in flight, every result written back) and to the same cap on
+        # every rank. The hooks find the new buckets through _where; the old buffers are released.
+        self._planned_mb = cap_mb
+        plan = self._plan_for(cap_mb)
+        if [b.names for b in plan] != [b.names for b in self.buckets]:
+            previous, self.buckets = self._states, plan
+            self._build_states(previous)
             self._reset_step()
-            raise RuntimeError(faults.failure_message(self.rank, failed, self.timeout_s, error, report)) from error
-        for st in self._states:
-            st.done.wait()
-        for d, stream in self._streams.items():
-            # work.wait() already ordered the compute stream after each collective; this also
-            # orders it after the packing, so the next step's writes to .grad cannot race it.
-            streams.current_stream(d).wait_stream(stream)
-        self._recorder.finish_left([self._states[i] for i in self._launch_order], t_enter, t_done[0], waits)
-        spread = None if self._first_hook is None else self._last_hook - self._first_hook - self._launching_s
-        times = (self._forward_time, spread, t_enter)
-        self._reset_step()
-        self._steps += 1
-        if not self._arrival.done:
-            self._plan_in_arrival_order()
-        elif self.mode != "serial":   # OverlapCheck says it once
-            note = self._overlap.step_done(self._steps, self.buckets, self._recorder.launched_in_backward, *times)
-            if note:
-                self.notes.append(note)
-                logger.warning(note)
-        if self._auto is not None:
-            self._tune_step()
-
-    finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
-
-    def _unpack(self, st: _BucketState) -> None:
-        if self._sharded is not None:
-            return self._sharded.reduced(st)   # this rank's mean slice becomes the shard tensors' .grad
-        used_anywhere = None
-        if not all(st.used):
-            # Only a bucket with a parameter unused here needs the flags on the host (a device sync).
-            used_anywhere = (st.flags > 0).tolist()
-        # Read .grad now, not at launch: zero_grad(set_to_none=...) may have replaced it.
-        grads, means = [], []
-        for slot, (p, mean) in enumerate(zip(st.params, st.views)):
-            if used_anywhere is not None and not used_anywhere[slot]:
-                continue   # no rank used it: leave .grad untouched (None stays None), as DDP does
-            if p.grad is not None and p.grad.data_ptr() == mean.data_ptr():
-                continue   # .grad is the bucket's view: the mean is there already
-            if p.grad is None and st.grad_views[slot]:
-                p.grad = mean
-                continue
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            grads.append(p.grad)
-            means.append(mean)
-        if grads:
-            torch._foreach_copy_(grads, means)   # one fused copy per bucket; casts back from a compressed wire
 
     def _plan_in_arrival_order(self) -> None:
         """After the first synchronised step, on every rank alike: plan in rank 0's arrival order."""
         order = self._arrival.agree(self.process_group, self._agree_device)
-        unused = [name for i, (name, _) in enumerate(self._named) if not self._arrival.seen(i)]
-        if self._sharded is not None and unused:
-            note = (f"GradSync(mode='sharded') rank {self.rank}: {len(unused)} trainable parameter(s) got no gradient in "
-                    f"the first step ({', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}). One that no rank uses "
-                    f"still gets a zero mean gradient and is stepped (weight decay and momentum move it), where DDP "
-                    f"leaves it untouched; freeze it (requires_grad_(False)) if it must not change")
-            self.notes.append(note)
-            logger.warning(note)
-        self._plan_named = planning_sequence(self._named, order)
+        unused = [name for i, (name, _) in enumerate(self._hooked) if not self._arrival.seen(i)]
+        if unused:
+            self.reduction.first_step_unused(unused)
+        self._plan_named = planning_sequence(self._hooked, order)
         before = [b.names for b in self.buckets]
         self._replan(self._planned_mb)
         if [b.names for b in self.buckets] != before:
@@ -482,20 +269,143 @@ class GradSync:
         if cap != self._planned_mb:
             self._replan(cap)
 
-    def _replan(self, cap_mb: float) -> None:
-        # Only between steps (nothing in flight, every mean written back) and to the same cap on
-        # every rank. The hooks find the new buckets through _where; the old buffers are released.
-        self._planned_mb = cap_mb
-        plan = self._plan_for(cap_mb)
-        if [b.names for b in plan] != [b.names for b in self.buckets]:
-            if self._sharded is not None:
-                self._sharded.wait_for_params()
-            old = self._states
-            self.buckets = plan
-            self._build_states()
-            if self._sharded is not None and self._sharded.attached:
-                self._sharded.rebuilt(old)   # collectives: gradient slices and optimizer state move along
+    def _hint_nccl_priority(self) -> None:
+        if self.comm_stream_priority != "high" or not self._comm_streams:
+            return
+        try:
+            if "nccl" not in str(dist.get_backend(self.process_group)):
+                return
+            device = next(iter(self._comm_streams))
+            high = self.process_group._get_backend(device).options.is_high_priority_stream
+        except Exception:   # private accessor: a hint is not worth an error
+            return
+        if not high:
+            logger.info("GradSync: NCCL kernels run on the process group's own stream at normal priority; "
+                        "create the group with pg_options=ProcessGroupNCCL.Options(is_high_priority_stream=True) "
+                        "to raise it (GradSync packs buckets on a high-priority stream either way)")
+
+    # -- where gradients leave -------------------------------------------------------------------
+    def _on_forward(self, module: torch.nn.Module, _args) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        self.reduction.forward_started()
+        if self.require_backward_grad_sync:
+            self._forward_time = time.perf_counter()
+            # A synchronised forward promises a synchronised backward. If this rank's backward then
+            # fires no hook (no parameter used on its batch), finish() must still launch every
+            # bucket, or the peers wait for it until the timeout. DDP's forward prepares its
+            # reducer the same way.
+            with self._lock:
+                self._sync_pending = True
+                for i, (_, p) in enumerate(self._hooked):
+                    if not p.requires_grad:   # frozen since: no hook will fire, its bucket need not wait
+                        st, slot = self._where[i]
+                        st.mark_ready(slot)
+        if self.broadcast_buffers:
+            broadcast_from_rank0(self.model, self.process_group, buffers_only=True)
+
+    def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        with self._lock:
+            st, slot = self._where[i]
+            self.reduction.grad_ready(st, slot)
+            if st.phase is Phase.REDUCING:
+                # finish() would overwrite this contribution with the mean computed without it.
+                raise RuntimeError(
+                    f"GradSync: parameter {st.plan.names[slot]!r} received another gradient after its bucket "
+                    f"{st.plan.index} was launched. Call finish() after every synchronised backward, run earlier "
+                    f"backward passes under no_sync(), and use checkpoint(..., use_reentrant=False)")
+            st.used[slot] = True
+            if not self.require_backward_grad_sync:
+                return   # accumulation micro-step: the gradient just accumulates locally
+            self._sync_pending = True
+            self._last_hook = time.perf_counter()
+            if self._first_hook is None:
+                self._first_hook = self._last_hook
+                if self._auto is not None:
+                    self._auto.step_started(param)
+            if not self._arrival.done:
+                self._arrival.arrived(i)
+            if not st.mark_ready(slot) or not self.reduction.launch_from_hooks:
+                return
+            # Launch in plan order only: collectives are matched by the order they are issued, so a
+            # bucket that completes early waits for the ones before it (they complete soon after).
+            states, t0 = self._states, time.perf_counter()
+            while self._next < len(states) and states[self._next].pending == 0:
+                self._launch(states[self._next])
+            self._launching_s += time.perf_counter() - t0
+
+    def _launch(self, st: BucketState) -> None:
+        device = st.plan.device
+        self.reduction.prepare(st)
+        stream = self._comm_streams.get(device)
+        if stream is not None:
+            # The gradients were written on the compute stream; the side stream must not read earlier.
+            stream.wait_stream(streams.current_stream(device))
+        with streams.use_stream(stream) if stream is not None else contextlib.nullcontext():
+            self.reduction.pack(st, stream)
+            self._recorder.launched(st, stream)
+            st.work = self.reduction.launch(st)
+            st.move(Phase.REDUCING)
+            st.done = st.work.get_future().then(functools.partial(self._recorder.completed, st))
+        self._launch_order.append(st.plan.index)
+        self._next += 1
+
+    # -- where gradients come back ---------------------------------------------------------------
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Launch the buckets not launched yet, wait for all, write the result back.
+
+        ``.grad`` is then the mean over ranks (mode="sharded": each rank holds its slices' mean;
+        see `shard_optimizer`). A no-op when no synchronised backward ran since the last call.
+
+        Raises:
+            RuntimeError: when a reduction did not complete within ``timeout`` (a peer died,
+                stopped or skipped the step), naming the buckets and parameters.
+        """
+        if not self._active or not self._sync_pending:
+            return
+        t_enter, waits = self._recorder.finish_entered(self._comm_streams)
+        with self._lock:
+            while self._next < len(self._states):
+                self._launch(self._states[self._next])
+        t_done = [t_enter]
+
+        def write_back(st: BucketState) -> None:
+            t_done[0] = time.perf_counter()
+            self.reduction.reduced(st)
+            st.move(Phase.COLLECTING)
+
+        failed, error = faults.wait_in_order(self._states, self.timeout_s,
+                                             faults.backend_enforces_timeout(self.process_group), write_back)
+        if failed:
+            report = self.pending_report()
+            # A collective that did not complete may still read or write its buffer (gloo's thread
+            # waits on the peer): keep the buffers and the works alive for the life of this
+            # process, or freeing them under it blocks the process at exit.
+            self._wiring.abandoned.extend((st.buffer, st.work) for st in self._states if st.work is not None)
             self._reset_step()
+            raise RuntimeError(faults.failure_message(self.rank, failed, self.timeout_s, error, report)) from error
+        for st in self._states:
+            st.done.wait()
+        for d, stream in self._comm_streams.items():
+            # work.wait() already ordered the compute stream after each collective; this also
+            # orders it after the packing, so the next step's writes to .grad cannot race it.
+            streams.current_stream(d).wait_stream(stream)
+        self._recorder.finish_left([self._states[i] for i in self._launch_order], t_enter, t_done[0], waits)
+        spread = None if self._first_hook is None else self._last_hook - self._first_hook - self._launching_s
+        times = (self._forward_time, spread, t_enter)
+        self._reset_step()
+        self._steps += 1
+        if not self._arrival.done:
+            self._plan_in_arrival_order()
+        elif self.reduction.launch_from_hooks:   # OverlapCheck says it once
+            note = self._overlap.step_done(self._steps, self.buckets, self._recorder.launched_in_backward, *times)
+            if note:
+                self._say(note)
+        if self._auto is not None:
+            self._tune_step()
+
+    finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
 
     # -- what happened, what is pending ----------------------------------------------------------
     @property
@@ -504,39 +414,37 @@ class GradSync:
         return self._recorder.stats
 
     def stats_deferred(self):
-        """A function that returns the last step's `SyncStats` when called, later.
-
-        On an accelerator reading `stats` waits for the step's events; a reader that can wait
-        (the Trainer's report, a step or more later) keeps the host ahead of the device this way.
-        """
+        """A function that returns the last step's `SyncStats` when called, later (never makes the host wait now)."""
         return self._recorder.deferred()
 
     def pending_report(self) -> str:
-        """What the current synchronised step still waits for, on this rank ("" when nothing).
-
-        Safe to call from another thread (the Trainer's step watchdog does).
-        """
+        """What the current synchronised step still waits for, on this rank ("" when nothing); thread-safe."""
         if not self._active or not self._sync_pending:
             return ""
-        return faults.pending_report(self.rank, self._states, self._launch_order, serial=self.mode == "serial")
+        return faults.pending_report(self.rank, self._states, self._launch_order,
+                                     serial=not self.reduction.launch_from_hooks)
 
-    # -- mode="sharded": the optimizer, clipping, complete parameters (`sharded`, `shard_optim`) ----
+    # -- mode="sharded": the optimizer, clipping, complete parameters (`sharded`) --------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Make ``optimizer`` hold and step this rank's slices only; returns it, converted in place.
 
-        Call once, before its first step, on an optimizer over the model's parameters (every
-        trainable one). Class, param groups and hyperparameters stay; its ``step()`` launches the
-        all-gathers that the next forward waits for. With one process: returned unchanged.
+        Call on an optimizer built over the model's parameters (every trainable one); state it
+        has already (Adagrad's, a loaded one) is cut into the slices. Class, param groups and
+        hyperparameters stay; its ``step()`` launches the all-gathers that the next forward
+        waits for. An optimizer sharded by a closed GradSync of the same model is re-cut to this
+        one. With one process: returned unchanged.
         """
-        return shard_optim.shard_optimizer(self, optimizer)
+        return self.reduction.shard_optimizer(optimizer, self.mode)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
-        """After `finish()`: ``torch.nn.utils.clip_grad_norm_`` on the whole mean gradient; returns the norm.
+        """After `finish()`: ``torch.nn.utils.clip_grad_norm_`` on the whole mean gradient; returns the norm."""
+        norm_type = shard_optim.check_norm_type(norm_type)
+        return self.reduction.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
-        Under ``mode="sharded"`` from the slices (one scalar all-reduce); otherwise torch's own.
-        """
-        return shard_optim.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+    def grad_norms(self) -> dict[str, torch.Tensor]:
+        """After `finish()`: each parameter's mean-gradient 2-norm, by name (under sharded: one small all-reduce)."""
+        return self.reduction.grad_norms()
 
     def optimizer_state_dict(self, keep: bool = True) -> dict | None:
         """``mode="sharded"``: the unsharded optimizer's ``state_dict()``, from all ranks' slices (a collective).
@@ -544,24 +452,20 @@ class GradSync:
         Layout-free (any process count or bucket cap loads it, as does an unsharded optimizer);
         the sharded optimizer's ``load_state_dict`` takes it as it is. ``keep=False``: None here.
         """
-        if self._sharded is None or not self._sharded.attached:
-            raise RuntimeError("optimizer_state_dict() needs GradSync(mode='sharded') with several processes and "
-                               "sync.shard_optimizer(optimizer) called; otherwise use optimizer.state_dict()")
-        return shard_state.optimizer_state_dict(self, keep)
+        return self.reduction.optimizer_state_dict(keep)
 
     def wait_for_params(self) -> None:
         """``mode="sharded"``: wait for the all-gathers since the last step; the model is then current.
 
-        Forwards (per module) and ``state_dict``/``load_state_dict`` wait by themselves; call it
-        before anything else reads parameters between ``optimizer.step()`` and the next forward.
+        Forwards, ``state_dict``/``load_state_dict`` wait by themselves; call it before anything
+        else reads parameters between ``optimizer.step()`` and the next forward.
         """
-        if self._sharded is not None:
-            self._sharded.wait_for_params()
+        self.reduction.wait_for_params()
 
     @property
     def params_pending(self) -> list[int]:
         """Buckets whose updated parameters have not reached the model yet (``mode="sharded"``)."""
-        return self._sharded.pending if self._sharded is not None else []
+        return self.reduction.params_pending
 
     # -- control ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -589,21 +493,20 @@ class GradSync:
 
         Reductions still in flight are abandoned, not waited for (call ``finish()`` first).
         """
-        if self._sharded is not None:
-            self._sharded.close()
+        self.reduction.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        registry.release(self, [p for _, p in self._named])
+        registry.release(self, [p for _, p in self._hooked])
         self._reset_step()
         for st in self._states:
-            st.buffer, st.views, st.flags = None, [], None
+            st.buffer, st.views = None, []
         self._active = False
         self.closed = True
         # Let go of the group (the bucket tuner holds it too): a gloo group keeps its worker threads
         # until its last reference is gone, and threads still alive when the interpreter's teardown
         # begins can abort the process (see hfstream.clean_exit).
-        self.process_group, self._auto = None, None
+        self.process_group, self._auto, self._wiring.group = None, None, None
 
     def __enter__(self) -> "GradSync":
         return self

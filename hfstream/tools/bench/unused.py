@@ -56,7 +56,7 @@ def _rank(rank: int, world_size: int, cfg: dict) -> dict:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             with GradSync(model, bucket_mb=cfg["bucket_mb"]) as sync:
                 if variant == VARIANTS[2]:
-                    sync._arrival.done = True    # never re-plan: the plan stays in registration order
+                    sync.keep_plan()    # never re-plan: the plan stays in registration order
                 times, early = [], []
                 for step in range(cfg["warmup"] + cfg["steps"]):
                     t0 = time.perf_counter()

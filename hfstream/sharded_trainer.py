@@ -1,0 +1,148 @@
+"""What ``grad_sync="sharded"`` needs from the Trainer loop, so that user code sees what stock shows.
+
+Between ``optimizer.step()`` and the next forward the parameters wait for their all-gathers, and
+after ``finish()`` each rank holds only its slice of the mean gradient. User code that runs in
+that window would see stale parameters or no gradient; stock shows current parameters and the
+mean gradient. Three places in the Trainer loop run user code there:
+
+    callbacks         `CallbackGuard`: before an event reaches a callback that is not one of
+                      transformers' own (which never read parameters), the gathers are waited
+                      for; ``on_pre_optimizer_step``/``on_optimizer_step`` also get the whole mean
+                      gradient in ``.grad`` (gathered for them; what a callback writes to it
+                      before the step is kept)
+    compute_loss      `PreForwardReads`: an overridden ``compute_loss`` is watched once; if it reads
+                      parameters before the forward (a penalty on the weights), every later step
+                      waits for the gathers before it (said once)
+    the checkpoint    `save_optimizer`: every rank's slices, saved whole as the stock ``optimizer.pt``
+
+Each costs overlap only where user code actually needs the values, and says so once.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode
+from transformers import TrainerCallback
+
+_OWN_CALLBACKS = ("transformers.trainer_callback", "transformers.integrations")   # never read parameters
+_GRADIENT_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")   # stock holds the mean gradient there
+
+
+def _user_callbacks(callbacks, event: str) -> list:
+    """Callbacks that are not transformers' own and implement ``event``."""
+    base = getattr(TrainerCallback, event, None)
+    return [cb for cb in callbacks if getattr(type(cb), event, None) is not base
+            and not type(cb).__module__.startswith(_OWN_CALLBACKS)]
+
+
+class CallbackGuard:
+    """Wraps the Trainer's ``callback_handler.call_event`` (the one place every event goes through).
+
+    Args:
+        handler: the Trainer's ``callback_handler``.
+        sharded_sync: returns the trainer's GradSync while it is sharded on several processes, else None.
+        note: says a note once (the trainer's log).
+    """
+
+    def __init__(self, handler, sharded_sync, note):
+        self.handler, self._sharded_sync, self._note = handler, sharded_sync, note
+        self._call = handler.call_event
+        handler.call_event = self.call_event
+
+    def call_event(self, event, args, state, control, **kwargs):
+        sync = self._sharded_sync()
+        if sync is None:
+            return self._call(event, args, state, control, **kwargs)
+        readers = _user_callbacks(self.handler.callbacks, event)
+        if readers or event == "on_train_end":
+            sync.wait_for_params()
+        if not readers or event not in _GRADIENT_EVENTS:
+            return self._call(event, args, state, control, **kwargs)
+        names = ", ".join(sorted({type(cb).__name__ for cb in readers}))
+        self._note(f"hfstream: {names} implements {event}, where the stock Trainer holds the mean gradient "
+                           f"in .grad; under grad_sync='sharded' each rank holds only its slice, so hfstream gathers "
+                           f"the whole gradient for it every step (one all-gather of the gradients, their memory "
+                           f"again). For norms only, read trainer.grad_sync.grad_norms() instead")
+        sync.reduction.gather_gradients()
+        try:
+            return self._call(event, args, state, control, **kwargs)
+        finally:
+            # Before the step a callback may have changed .grad (custom clipping): the slices take it.
+            sync.reduction.scatter_gradients() if event == "on_pre_optimizer_step" else _release(sync)
+
+
+def _release(sync) -> None:
+    for _, p in sync.hooked_parameters:
+        p.grad = None
+
+
+def overrides_compute_loss(trainer) -> bool:
+    from transformers import Trainer
+
+    return type(trainer).compute_loss is not Trainer.compute_loss
+
+
+class PreForwardReads(TorchFunctionMode):
+    """Notes the hooked parameters that torch functions read before the model's forward begins.
+
+    Active around one training step; attribute reads (``.shape``, ``.grad``) do not count.
+
+    Args:
+        hooked: ``(name, parameter)`` to watch.
+        model: the module whose forward marks the end of the watch.
+    """
+
+    def __init__(self, hooked, model: torch.nn.Module):
+        super().__init__()
+        self._names = {id(p): n for n, p in hooked}
+        self.read: list[str] = []
+        self._began = False
+        self._handle = model.register_forward_pre_hook(self._forward_began)
+
+    def _forward_began(self, *_):
+        self._began = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._began and getattr(func, "__name__", "") != "__get__":
+            for t in _tensors(args, kwargs):
+                name = self._names.get(id(t))
+                if name is not None and name not in self.read:
+                    self.read.append(name)
+        return func(*args, **kwargs)
+
+    def __exit__(self, *exc):
+        self._handle.remove()
+        return super().__exit__(*exc)
+
+
+def _tensors(args, kwargs):
+    stack = [*args, *kwargs.values()]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+
+
+def save_optimizer(trainer, output_dir: str) -> None:
+    """Every rank's slices saved whole, as the unsharded optimizer's state dict (``optimizer.pt``).
+
+    The file is the one the stock Trainer writes, layout-free: resuming on another process count
+    or bucket cap, or with the stock Trainer, loads it; the sharded optimizer's ``load_state_dict``
+    cuts it into this rank's slices (`gradsync.shard_state`).
+    """
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, reissue_pt_warnings
+
+    state = trainer.grad_sync.optimizer_state_dict(keep=trainer.args.should_save)   # a collective
+    if trainer.args.should_save:
+        torch.save(state, os.path.join(output_dir, OPTIMIZER_NAME))
+        with warnings.catch_warnings(record=True) as caught:
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        reissue_pt_warnings(caught)
