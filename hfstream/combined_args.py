@@ -14,7 +14,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from transformers import TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from .args import StreamTrainingArguments
 
@@ -169,3 +169,25 @@ def _combined(base: type) -> type:
     }
     cls = dataclass(type(name, (base, StreamTrainingArguments), namespace))
     return cls
+
+
+def default_stream_args(trainer_cls: type, mixin: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Trainer builds a plain TrainingArguments when none is given; build ours instead.
+
+    Another Trainer subclass (TRL's SFTTrainer) builds its own config class from what it is
+    given; ours would not fit it, so it is asked for explicitly instead.
+    """
+    missing = args[1] is None if len(args) > 1 else kwargs.get("args") is None
+    if not missing:
+        return args, kwargs
+    base = next(c for c in trainer_cls.__mro__ if issubclass(c, Trainer) and not issubclass(c, mixin))
+    if base is not Trainer:
+        raise TypeError(
+            f"{trainer_cls.__name__} needs args: {base.__name__} builds default arguments of its own class, which "
+            f"lack hfstream's fields. Pass args=hfstream.stream_arguments(<{base.__name__}'s config class>)"
+            f"(output_dir=...), e.g. stream_arguments(SFTConfig) for TRL's SFTTrainer."
+        )
+    default = StreamTrainingArguments(output_dir="tmp_trainer")
+    if len(args) > 1:
+        return (args[0], default, *args[2:]), kwargs
+    return args, {**kwargs, "args": default}

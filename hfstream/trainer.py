@@ -25,30 +25,23 @@ Around them:
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
 import time
 from typing import Any
 
-from accelerate.utils import DistributedType, gather_object
+from accelerate.utils import gather_object
 from transformers import Trainer
 
 from .args import StreamTrainingArguments
+from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
+from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_sharded, resolve_grad_sync
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
 from .timeline import FIELDS, StepTimeline, StreamReport, combine_ranks
 
 logger = logging.getLogger(__name__)
-
-# Plain data parallel: one full replica per process, gradients averaged by an all-reduce.
-_PLAIN_DP = {
-    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
-    DistributedType.MULTI_XPU, DistributedType.MULTI_NPU, DistributedType.MULTI_MLU,
-    DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
-} - {None}
-
 
 def _show_hfstream_logs(level: int) -> None:
     """hfstream's log lines follow the Trainer's ``log_level`` (warnings by default), on stderr."""
@@ -72,7 +65,7 @@ class StreamTrainerMixin:
     TIMELINE_STEPS = 4   # steps of spans each rank keeps in the report, for the timeline figure
 
     def __init__(self, *args: Any, **kwargs: Any):
-        args, kwargs = _default_stream_args(type(self), args, kwargs)
+        args, kwargs = default_stream_args(type(self), StreamTrainerMixin, args, kwargs)
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, StreamTrainingArguments):
             given = type(self.args)
@@ -82,7 +75,8 @@ class StreamTrainerMixin:
                    f"plus hfstream's fields")
             raise TypeError(f"{type(self).__name__} needs hfstream's arguments, got {given.__name__}: {fix}.")
         _show_hfstream_logs(self.args.get_process_log_level())
-        self.grad_sync_mode = self._resolve_grad_sync()
+        self.grad_sync_mode = resolve_grad_sync(self.args, self.accelerator, self._model_is_sharded())
+        self._grad_group = None   # the gradient collectives' process group, once created (NCCL only)
         self.grad_sync = None                    # a GradSync once training prepared the model
         self._prefetcher = None
         self._prefetch_source = None
@@ -149,45 +143,12 @@ class StreamTrainerMixin:
             self.grad_sync.close()
 
     # -- configuration ---------------------------------------------------------------------------
-    def _resolve_grad_sync(self) -> str:
-        """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (logged once)."""
-        requested = self.args.grad_sync
-        engine = self.accelerator.distributed_type
-        sharded_model = self._model_is_sharded()
-        plain_dp = engine in _PLAIN_DP and not self.args._uses_sharded_engine() and not sharded_model
-        if requested in ("overlap", "serial", "sharded") and not plain_dp:
-            owner = ("the model was sharded at load time (DTensor parameters / from_pretrained(distributed_config=...))"
-                     if sharded_model else f"Accelerate runs {engine}")
-            raise ValueError(
-                f"grad_sync={requested!r} needs plain data parallel, but {owner}: FSDP, DeepSpeed and tensor "
-                "parallelism own gradient communication. Use grad_sync='native'."
-            )
-        if requested != "auto":
-            return requested
-        multi = self.accelerator.num_processes > 1
-        if multi and (self.args._uses_sharded_engine() or sharded_model):
-            logger.warning("hfstream: grad_sync='auto' falls back to 'native': FSDP/DeepSpeed/tensor parallelism (or a "
-                           "model sharded at load time) own gradient communication (prefetching still applies)")
-            return "native"
-        mode = "overlap" if plain_dp and multi and self.args.n_gpu <= 1 else "native"
-        reason = ("plain multi-process data parallel" if mode == "overlap"
-                  else f"distributed type {engine}, {self.accelerator.num_processes} process(es)")
-        logger.info("hfstream: grad_sync='auto' resolved to %r (%s)", mode, reason)
-        return mode
-
     def _model_is_sharded(self) -> bool:
-        """A model transformers sharded at load time (tensor parallel): its parameters are DTensors."""
-        if getattr(self, "is_distributed_loading_by_transformers", False):
-            return True
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:
-            return False
-        return self.model is not None and any(isinstance(p, DTensor) for p in self.model.parameters())
+        return model_is_sharded(self.model, getattr(self, "is_distributed_loading_by_transformers", False))
 
     @property
     def _hfstream_sync(self) -> bool:
-        return self.grad_sync_mode in ("overlap", "serial", "sharded")
+        return self.grad_sync_mode in HFSTREAM_MODES
 
     @property
     def _optimizer_sharded(self) -> bool:
@@ -282,6 +243,11 @@ class StreamTrainerMixin:
         except ValueError as exc:
             raise ValueError(f"optim={self.args.optim!r} with grad_sync='sharded': {exc}") from None
 
+    def _gradient_group(self):
+        if self._grad_group is None:
+            self._grad_group = gradient_group(self.args)
+        return self._grad_group
+
     def _say_what_ddp_options_do(self) -> None:
         """DDP's own options set for a run whose gradients hfstream reduces: say once what becomes of each."""
         args = self.args
@@ -299,24 +265,6 @@ class StreamTrainerMixin:
         if message not in self._notes:
             self._notes.append(message)
             logger.warning(message)
-
-    def _gradient_group(self):
-        """On NCCL with comm_stream_priority="high", a group whose kernels run on a high-priority stream.
-
-        NCCL fixes its stream's priority when the communicator is created, so the default group
-        (made by Accelerate) cannot be raised afterwards. This group carries only the gradient
-        reductions, which never run concurrently with the default group's collectives: those
-        (loss gathering, metrics) happen outside backward, after `finish()`.
-        """
-        import torch.distributed as dist
-
-        if (self.args.comm_stream_priority != "high" or not dist.is_available() or not dist.is_initialized()
-                or dist.get_world_size() == 1 or dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL")):
-            return None
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = True
-        return dist.new_group(backend="nccl", pg_options=options,
-                              timeout=datetime.timedelta(seconds=self.args.ddp_timeout))
 
     def _forward_done(self, module, inputs, output):
         if module.training and self._timeline is not None:
@@ -488,28 +436,6 @@ class StreamTrainerMixin:
         ended, on every rank.
         """
         return self._report
-
-
-def _default_stream_args(trainer_cls: type, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Trainer builds a plain TrainingArguments when none is given; build ours instead.
-
-    Another Trainer subclass (TRL's SFTTrainer) builds its own config class from what it is
-    given; ours would not fit it, so it is asked for explicitly instead.
-    """
-    missing = args[1] is None if len(args) > 1 else kwargs.get("args") is None
-    if not missing:
-        return args, kwargs
-    base = next(c for c in trainer_cls.__mro__ if issubclass(c, Trainer) and not issubclass(c, StreamTrainerMixin))
-    if base is not Trainer:
-        raise TypeError(
-            f"{trainer_cls.__name__} needs args: {base.__name__} builds default arguments of its own class, which "
-            f"lack hfstream's fields. Pass args=hfstream.stream_arguments(<{base.__name__}'s config class>)"
-            f"(output_dir=...), e.g. stream_arguments(SFTConfig) for TRL's SFTTrainer."
-        )
-    default = StreamTrainingArguments(output_dir="tmp_trainer")
-    if len(args) > 1:
-        return (args[0], default, *args[2:]), kwargs
-    return args, {**kwargs, "args": default}
 
 
 class StreamTrainer(StreamTrainerMixin, Trainer):

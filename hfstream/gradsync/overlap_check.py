@@ -12,19 +12,37 @@ synchronised steps in a row (one odd step of a tiny model is not a pattern):
 
 from __future__ import annotations
 
+import time
+
 NO_SPREAD = 0.02    # gradients within this fraction of a step arrived "at once"
 SUSPECT_STEPS = 3   # consecutive synchronised steps before overlap is reported lost
 
 
 class OverlapCheck:
-    """Fed once per synchronised step; returns the note to say (once), else None."""
+    """Fed host times during each synchronised step; `step_done` returns the note to say (once), else None."""
 
     def __init__(self):
         self._suspect = 0
         self.said = False
+        self.reset()
 
-    def step_done(self, step: int, buckets, launched_in_backward: int, t_forward, spread, t_enter) -> str | None:
-        """``spread``: seconds between the step's first and last gradient hook, minus launch time."""
+    def reset(self) -> None:
+        self.forward_time = None                    # host time of this step's synchronised forward
+        self.first_hook = self.last_hook = None     # host times of its first and last synchronised hook
+        self.launching_s = 0.0                      # host time the hooks spent launching buckets
+
+    def hook(self) -> bool:
+        """A synchronised gradient hook fired now; True for the step's first."""
+        self.last_hook = time.perf_counter()
+        first = self.first_hook is None
+        if first:
+            self.first_hook = self.last_hook
+        return first
+
+    def step_done(self, step: int, buckets, launched_in_backward: int, t_enter: float) -> str | None:
+        """``t_enter``: when ``finish()`` began. Judges the step just finished."""
+        t_forward = self.forward_time
+        spread = None if self.first_hook is None else self.last_hook - self.first_hook - self.launching_s
         if self.said or len(buckets) < 2:
             return None   # one bucket (bucket_mb=inf): nothing can launch before the last gradient, by choice
         why = None

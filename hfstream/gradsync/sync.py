@@ -2,30 +2,25 @@
 
 The idea is PyTorch DDP's reducer (Li et al., "PyTorch Distributed: Experiences on Accelerating
 Data Parallel Training", VLDB 2020, section 3.2): backward produces gradients roughly in reverse
-registration order, so group them into buckets (`buckets.py`) and launch each bucket's
-reduction *asynchronously* the moment its last gradient exists. The reduction of the last
-layers' gradients then runs while backward computes the first layers' gradients, and only the
-tail of the communication is left to wait for at the end. Unlike DDP this hooks the module in
-place: there is no wrapper, so ``state_dict`` keys, ``save_pretrained`` and ``unwrap_model``
-see the model exactly as before.
+registration order, so group them into buckets (`buckets.py`) and launch each bucket's reduction
+*asynchronously* the moment its last gradient exists; only the tail of the communication is left
+to wait for at the end. Unlike DDP this hooks the module in place: there is no wrapper, so
+``state_dict`` keys, ``save_pretrained`` and ``unwrap_model`` see the model exactly as before.
 
 Where gradients leave and where they come back:
 
     _on_grad_ready   a parameter's gradient is accumulated (``register_post_accumulate_grad_hook``)
-    _launch          every bucket that is complete is packed (gradient / world size into its flat
-                     buffer) and reduced with ``async_op=True`` -- in plan order only
+    _launch          every complete bucket is packed (gradient / world size into its flat buffer)
+                     and reduced with ``async_op=True`` -- in plan order only
     finish()         launches what is left, then waits for each bucket in turn and writes its
                      result back while the later buckets are still on the wire
 
 This file is the lifecycle every mode shares. What differs by mode -- how a bucket is packed,
-which collective reduces it, where the result goes -- is a `reduction.Reduction` strategy chosen
-once in ``__init__``: `reduction.AllReduce` for ``"overlap"``/``"serial"``,
-`sharded.ShardedReduction` for ``"sharded"`` (docs/design.md sections 2 and 7).
-
-Two rules keep every rank's collectives matched, which is what stops a rank from hanging:
-buckets are launched in the same (plan) order on every rank, even if a later bucket is complete
-first; and every bucket is launched every synchronised step, even if a parameter got no
-gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
+which collective reduces it, where the result goes -- is a `reduction.Reduction` chosen once in
+``__init__``: `reduction.AllReduce` for ``"overlap"``/``"serial"``, `sharded.ShardedReduction`
+for ``"sharded"`` (docs/design.md sections 2 and 7). Two rules keep every rank's collectives
+matched, which is what stops a rank from hanging: buckets launch in the same (plan) order on
+every rank, and every bucket launches every synchronised step, even with no gradient here.
 
     sync = GradSync(model)                         # broadcasts rank 0's weights, plans, hooks
     for k, batch in enumerate(micro_batches):
@@ -34,9 +29,9 @@ gradient on this rank (it then contributes what its ``.grad`` holds, or zeros).
     sync.finish()                                  # .grad is now the mean over ranks
     optimizer.step(); optimizer.zero_grad()
 
-Beside this core: `buckets` (the plan), `bucket_state` (a bucket's phase), `order` (planned in
-the order gradients arrive), `stats`, `faults` (bounded waits), `tune` (``bucket_mb="auto"``),
-`registry` (one GradSync per model), `broadcast` (rank 0's weights), `options`.
+Beside this core: `planning` (which buckets, when they change), `bucket_state` (a bucket's
+phase), `stats`, `faults` (bounded waits), `registry` (one GradSync per model), `broadcast`
+(rank 0's weights), `comm_streams`, `options`.
 """
 
 from __future__ import annotations
@@ -55,14 +50,15 @@ from .. import streams
 from . import faults, registry, shard_optim
 from .broadcast import broadcast_from_rank0
 from .bucket_state import BucketState, Phase
-from .buckets import DDP_BUCKET_MB, Bucket, plan_buckets
+from .buckets import Bucket
+from .comm_streams import CommStreams
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
-from .order import ArrivalOrder, planning_sequence
 from .overlap_check import OverlapCheck
 from .reduction import AllReduce, Reduction, Wiring
 from .sharded import ShardedReduction
 from .stats import StatsRecorder, SyncStats
-from .tune import AutoBucketCap, BucketTuner, TuningResult
+from .planning import Planner
+from .tune import BucketTuner, TuningResult
 
 logger = logging.getLogger(__name__)
 
@@ -72,38 +68,28 @@ class GradSync:
 
     Args:
         model: the module to hook, in place (no wrapper).
-        bucket_mb: bucket cap in MiB, DDP's ``bucket_cap_mb`` rule: a bucket is filled until it
-            *reaches* the cap; a parameter is never split. 0 = one parameter per bucket,
-            ``float('inf')`` = one bucket per (dtype, device), ``"auto"`` (default, as in the
-            Trainer) = tuned online in the first synchronised steps, the same on every rank.
-        mode: ``"overlap"`` launches each bucket from the hooks as soon as it is complete;
-            ``"serial"`` reduces every bucket in ``finish()`` (the baseline overlap is measured
-            against); ``"sharded"`` reduce-scatters instead and all-gathers the parameters after
-            the step of the optimizer returned by `shard_optimizer` (docs/design.md section 7).
+        bucket_mb: cap in MiB, DDP's ``bucket_cap_mb`` rule (a bucket is filled until it reaches the
+            cap; a parameter is never split); 0 = one parameter each, ``inf`` = one bucket,
+            ``"auto"`` (default) = tuned online, the same on every rank (`planning`).
+        mode: ``"overlap"`` (launched from the hooks), ``"serial"`` (all in ``finish()``: the
+            baseline), ``"sharded"`` (reduce-scatter; all-gather after the step of the optimizer
+            `shard_optimizer` returns; docs/design.md section 7).
         process_group: the data-parallel group; None = the default group.
-        comm_dtype: None sends gradients in their own dtype; ``"bf16"``/``"fp16"`` compress
-            floating-point buckets on the wire: each rank divides by the world size in the
-            gradient's precision, the sum runs in ``comm_dtype``, the mean is cast back.
-        comm_stream_priority: ``"high"``/``"normal"``: the side stream on which an accelerator packs
-            buckets and issues collectives. NCCL runs its kernels on the group's own stream, whose
-            priority is fixed when the group is created (the Trainer creates such a group).
-        first_bucket_mb: cap of the first bucket (the gradients backward produces first); None =
-            ``bucket_mb``.
-        timeout: seconds ``finish()`` waits before it raises, naming what did not complete
-            (default 1800, torch's own; the Trainer passes ``ddp_timeout``). See `faults`.
-        broadcast_buffers: also copy rank 0's buffers to every rank before each training forward
-            (DDP's ``broadcast_buffers=True``). Off by default: buffers are broadcast once.
+        comm_dtype: None, or ``"bf16"``/``"fp16"`` on the wire: each rank divides by the world size in
+            the gradient's precision, the sum runs in ``comm_dtype``, the mean is cast back.
+        comm_stream_priority: of the side stream collectives are issued on (`comm_streams`).
+        first_bucket_mb: cap of the bucket backward fills first; None = ``bucket_mb``.
+        timeout: seconds a wait may take before it raises, naming what did not complete (default
+            1800, torch's; the Trainer passes ``ddp_timeout``; `faults`).
+        broadcast_buffers: copy rank 0's buffers before each training forward (DDP's option);
+            off by default: they are broadcast once, at construction.
 
-    A parameter whose hook did not fire in the synchronised backward still travels in its bucket
-    (its ``.grad`` from ``no_sync()`` steps, or zeros), so every rank launches the same
-    collectives. A parameter frozen after construction (``requires_grad_(False)``) is ready
-    from the forward on, so its bucket still launches during backward, and keeps ``.grad`` None.
-    After the first synchronised step the buckets are re-planned in the order the gradients
-    arrived on rank 0 (`order`), so a parameter no rank uses costs only its own bucket.
-
-    Construct it after the model has its final device and dtype. A gradient that arrives after its
-    bucket was launched raises: call ``finish()`` after each synchronised backward and use
-    ``checkpoint(..., use_reentrant=False)``.
+    A parameter whose hook did not fire still travels in its bucket (its ``.grad`` from
+    ``no_sync()`` steps, or zeros), so every rank launches the same collectives; one frozen after
+    construction is ready from the forward on and keeps ``.grad`` None. Construct GradSync after
+    the model has its final device and dtype; a gradient that arrives after its bucket was
+    launched raises (call ``finish()`` after each synchronised backward; use
+    ``checkpoint(..., use_reentrant=False)``).
 
     Attributes:
         buckets: the plan, a list of `Bucket` (index, names, numel, nbytes, dtype, device).
@@ -148,30 +134,17 @@ class GradSync:
         self._handles: list = []
         self._states: list[BucketState] = []
         self._where: list[tuple[BucketState, int]] = []   # per hooked parameter: its bucket and slot
-        self._comm_streams: dict[torch.device, object] = {}
+        self._comm_streams = CommStreams(comm_stream_priority)   # device -> side stream (accelerators)
         self._lock = threading.Lock()   # hooks may run on several autograd device threads
         self._recorder = StatsRecorder()
         self._wiring = Wiring(model, self._hooked, process_group, self.world_size, self.rank, self.timeout_s,
                               self._recorder, self._comm_streams, self._say)
         self.reduction: Reduction = (ShardedReduction(self._wiring) if mode == "sharded"
                                      else AllReduce(self._wiring, serial=mode == "serial"))
-        self._auto: AutoBucketCap | None = None
-        self.tuning_result: TuningResult | None = None
-        self._plan_named = list(self._hooked)   # what the planner walks (backwards): registration order at first
-        self._arrival = ArrivalOrder(len(self._hooked))
-        self._agree_device = self._hooked[-1][1].device if self._hooked else torch.device("cpu")
+        self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None)
         self._steps = 0                         # synchronised steps finished
         self._overlap = OverlapCheck()         # says once when reductions could not overlap backward
-
-        auto = bucket_mb == "auto"
-        self.bucket_mb: float | str = DDP_BUCKET_MB if auto else float(bucket_mb)
-        self._planned_mb = self.bucket_mb
-        if auto and self._active:
-            # Every rank prunes the same candidates from the same model, so all agree on the
-            # schedule without talking; only the final choice needs a collective (tune.py).
-            self._auto = AutoBucketCap(self._plan_for, process_group, self._agree_device)
-            self.bucket_mb, self._planned_mb = "auto", self._auto.current_mb
-        self.buckets: list[Bucket] = self._plan_for(self._planned_mb)
+        self.buckets: list[Bucket] = self._planner.plan()
         self._reset_step()
         if self._active:
             broadcast_from_rank0(model, process_group)
@@ -182,13 +155,23 @@ class GradSync:
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)))
             # Never traced by torch.compile: it keeps Python state a compiled graph would freeze.
             self._handles.append(model.register_forward_pre_hook(torch.compiler.disable(self._on_forward)))
-            self._hint_nccl_priority()
+            self._comm_streams.hint_nccl_priority(process_group)
 
     # -- what other modules may read -----------------------------------------------------------------
     @property
+    def bucket_mb(self) -> float | str:
+        """The cap in use; under ``"auto"`` the string while tuning, then the chosen cap."""
+        return self._planner.bucket_mb
+
+    @property
     def tuning(self) -> BucketTuner | None:
         """The tuner while ``bucket_mb="auto"`` is still trying caps; None otherwise."""
-        return self._auto.tuner if self._auto is not None else None
+        return self._planner.tuning
+
+    @property
+    def tuning_result(self) -> TuningResult | None:
+        """What ``bucket_mb="auto"`` chose, once it has."""
+        return self._planner.tuning_result
 
     @property
     def broken(self) -> bool:
@@ -211,7 +194,7 @@ class GradSync:
 
     def keep_plan(self) -> None:
         """Never re-plan in the order gradients arrive (the plan stays in registration order)."""
-        self._arrival.done = True
+        self._planner.arrival.done = True
 
     def _say(self, note: str) -> None:
         if note not in self.notes:
@@ -219,9 +202,6 @@ class GradSync:
             logger.warning(note)
 
     # -- the plan ---------------------------------------------------------------------------------
-    def _plan_for(self, cap_mb: float) -> list[Bucket]:
-        return plan_buckets(self._plan_named, cap_mb, self.first_bucket_mb)
-
     def _build_states(self, previous: list[BucketState] | None) -> None:
         """Run-time state for ``self.buckets``; points every parameter's hook at its bucket."""
         index = {id(p): i for i, (_, p) in enumerate(self._hooked)}
@@ -233,56 +213,17 @@ class GradSync:
             self._states.append(st)
             for slot, p in enumerate(st.params):
                 self._where[index[id(p)]] = (st, slot)
-            if (streams.is_accelerator(plan.device) and plan.device not in self._comm_streams
-                    and streams.has_side_streams(plan.device)):
-                self._comm_streams[plan.device] = streams.new_stream(plan.device, self.comm_stream_priority)
+            self._comm_streams.add(plan.device)
         self.reduction.planned(self._states, previous)
 
-    def _replan(self, cap_mb: float) -> None:
-        # Only between steps (nothing in flight, every result written back) and to the same cap on
+    def _replan(self, plan: list[Bucket]) -> None:
+        # Only between steps (nothing in flight, every result written back) and to the same plan on
         # every rank. The hooks find the new buckets through _where; the old buffers are released.
-        self._planned_mb = cap_mb
-        plan = self._plan_for(cap_mb)
         if [b.names for b in plan] != [b.names for b in self.buckets]:
             previous, self.buckets = self._states, plan
             self._build_states(previous)
             self._reset_step()
-
-    def _plan_in_arrival_order(self) -> None:
-        """After the first synchronised step, on every rank alike: plan in rank 0's arrival order."""
-        order = self._arrival.agree(self.process_group, self._agree_device)
-        unused = [name for i, (name, _) in enumerate(self._hooked) if not self._arrival.seen(i)]
-        if unused:
-            self.reduction.first_step_unused(unused)
-        self._plan_named = planning_sequence(self._hooked, order)
-        before = [b.names for b in self.buckets]
-        self._replan(self._planned_mb)
-        if [b.names for b in self.buckets] != before:
-            logger.info("GradSync: buckets re-planned in the order gradients arrived in the first step (%d buckets)",
-                        len(self.buckets))
-
-    def _tune_step(self) -> None:
-        """Between steps, on every rank alike: score the step, then plan the next cap (or the choice)."""
-        cap, result = self._auto.step_finished()
-        if result is not None:
-            self._auto, self.tuning_result, self.bucket_mb = None, result, result.bucket_mb
-        if cap != self._planned_mb:
-            self._replan(cap)
-
-    def _hint_nccl_priority(self) -> None:
-        if self.comm_stream_priority != "high" or not self._comm_streams:
-            return
-        try:
-            if "nccl" not in str(dist.get_backend(self.process_group)):
-                return
-            device = next(iter(self._comm_streams))
-            high = self.process_group._get_backend(device).options.is_high_priority_stream
-        except Exception:   # private accessor: a hint is not worth an error
-            return
-        if not high:
-            logger.info("GradSync: NCCL kernels run on the process group's own stream at normal priority; "
-                        "create the group with pg_options=ProcessGroupNCCL.Options(is_high_priority_stream=True) "
-                        "to raise it (GradSync packs buckets on a high-priority stream either way)")
+            logger.info("GradSync: buckets re-planned (%d buckets, cap %s MiB)", len(plan), self._planner.planned_mb)
 
     # -- where gradients leave -------------------------------------------------------------------
     def _on_forward(self, module: torch.nn.Module, _args) -> None:
@@ -290,7 +231,7 @@ class GradSync:
             return
         self.reduction.forward_started()
         if self.require_backward_grad_sync:
-            self._forward_time = time.perf_counter()
+            self._overlap.forward_time = time.perf_counter()
             # A synchronised forward promises a synchronised backward. If this rank's backward then
             # fires no hook (no parameter used on its batch), finish() must still launch every
             # bucket, or the peers wait for it until the timeout. DDP's forward prepares its
@@ -318,13 +259,7 @@ class GradSync:
             if not self.require_backward_grad_sync:
                 return   # accumulation micro-step: the gradient just accumulates locally
             self._sync_pending = True
-            self._last_hook = time.perf_counter()
-            if self._first_hook is None:
-                self._first_hook = self._last_hook
-                if self._auto is not None:
-                    self._auto.step_started(param)
-            if not self._arrival.done:
-                self._arrival.arrived(i)
+            self._planner.gradient_arrived(i, param, first_of_step=self._overlap.hook())
             if not st.mark_ready(slot) or not self.reduction.launch_from_hooks:
                 return
             # Launch in plan order only: collectives are matched by the order they are issued, so a
@@ -332,7 +267,7 @@ class GradSync:
             states, t0 = self._states, time.perf_counter()
             while self._next < len(states) and states[self._next].pending == 0:
                 self._launch(states[self._next])
-            self._launching_s += time.perf_counter() - t0
+            self._overlap.launching_s += time.perf_counter() - t0
 
     def _launch(self, st: BucketState) -> None:
         device = st.plan.device
@@ -392,18 +327,17 @@ class GradSync:
             # orders it after the packing, so the next step's writes to .grad cannot race it.
             streams.current_stream(d).wait_stream(stream)
         self._recorder.finish_left([self._states[i] for i in self._launch_order], t_enter, t_done[0], waits)
-        spread = None if self._first_hook is None else self._last_hook - self._first_hook - self._launching_s
-        times = (self._forward_time, spread, t_enter)
-        self._reset_step()
         self._steps += 1
-        if not self._arrival.done:
-            self._plan_in_arrival_order()
-        elif self.reduction.launch_from_hooks:   # OverlapCheck says it once
-            note = self._overlap.step_done(self._steps, self.buckets, self._recorder.launched_in_backward, *times)
+        if self._planner.arrival.done and self.reduction.launch_from_hooks:   # OverlapCheck says it once
+            note = self._overlap.step_done(self._steps, self.buckets, self._recorder.launched_in_backward, t_enter)
             if note:
                 self._say(note)
-        if self._auto is not None:
-            self._tune_step()
+        self._reset_step()
+        plan, unused = self._planner.step_finished()
+        if unused:
+            self.reduction.first_step_unused(unused)
+        if plan is not None:
+            self._replan(plan)
 
     finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
 
@@ -426,13 +360,10 @@ class GradSync:
 
     # -- mode="sharded": the optimizer, clipping, complete parameters (`sharded`) --------------------
     def shard_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Make ``optimizer`` hold and step this rank's slices only; returns it, converted in place.
+        """Make ``optimizer`` (over the model's parameters) hold and step this rank's slices; returns it.
 
-        Call on an optimizer built over the model's parameters (every trainable one); state it
-        has already (Adagrad's, a loaded one) is cut into the slices. Class, param groups and
-        hyperparameters stay; its ``step()`` launches the all-gathers that the next forward
-        waits for. An optimizer sharded by a closed GradSync of the same model is re-cut to this
-        one. With one process: returned unchanged.
+        Converted in place (class, groups, hyperparameters and any state it has stay); its ``step()``
+        launches the all-gathers. One sharded by a closed GradSync of the model is re-cut (`shard_optim`).
         """
         return self.reduction.shard_optimizer(optimizer, self.mode)
 
@@ -447,19 +378,11 @@ class GradSync:
         return self.reduction.grad_norms()
 
     def optimizer_state_dict(self, keep: bool = True) -> dict | None:
-        """``mode="sharded"``: the unsharded optimizer's ``state_dict()``, from all ranks' slices (a collective).
-
-        Layout-free (any process count or bucket cap loads it, as does an unsharded optimizer);
-        the sharded optimizer's ``load_state_dict`` takes it as it is. ``keep=False``: None here.
-        """
+        """``mode="sharded"``: the unsharded optimizer's layout-free ``state_dict()`` (a collective; `shard_state`)."""
         return self.reduction.optimizer_state_dict(keep)
 
     def wait_for_params(self) -> None:
-        """``mode="sharded"``: wait for the all-gathers since the last step; the model is then current.
-
-        Forwards, ``state_dict``/``load_state_dict`` wait by themselves; call it before anything
-        else reads parameters between ``optimizer.step()`` and the next forward.
-        """
+        """``mode="sharded"``: wait for the all-gathers since the last step (forwards and ``state_dict`` do by themselves)."""
         self.reduction.wait_for_params()
 
     @property
@@ -484,9 +407,7 @@ class GradSync:
         self._next = 0                  # next bucket to launch, in plan order
         self._launch_order: list[int] = []
         self._sync_pending = False      # a synchronised forward or hook since the last finish()
-        self._first_hook = self._last_hook = None   # host times of this step's synchronised hooks
-        self._forward_time = None                  # host time of this step's synchronised forward
-        self._launching_s = 0.0                    # host time the hooks spent launching buckets
+        self._overlap.reset()
 
     def close(self) -> None:
         """Remove every hook and release the buffers; a new GradSync may then hook the model.
@@ -506,7 +427,8 @@ class GradSync:
         # Let go of the group (the bucket tuner holds it too): a gloo group keeps its worker threads
         # until its last reference is gone, and threads still alive when the interpreter's teardown
         # begins can abort the process (see hfstream.clean_exit).
-        self.process_group, self._auto, self._wiring.group = None, None, None
+        self.process_group, self._wiring.group = None, None
+        self._planner.close()
 
     def __enter__(self) -> "GradSync":
         return self

@@ -1,0 +1,87 @@
+"""How the Trainer's data parallelism is set up: which ``grad_sync`` mode runs, on which process group.
+
+`resolve_grad_sync` turns ``grad_sync="auto"`` into a mode and refuses a mode that cannot work
+with the engine Accelerate runs; `gradient_group` creates the process group the gradient
+collectives run on, once per trainer.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+
+from accelerate.utils import DistributedType
+
+logger = logging.getLogger(__name__)
+
+# Plain data parallel: one full replica per process, gradients averaged by an all-reduce.
+PLAIN_DP = {
+    DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU,
+    DistributedType.MULTI_XPU, DistributedType.MULTI_NPU, DistributedType.MULTI_MLU,
+    DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
+} - {None}
+HFSTREAM_MODES = ("overlap", "serial", "sharded")   # the modes in which hfstream reduces the gradients itself
+
+
+def model_is_sharded(model, loaded_distributed: bool) -> bool:
+    """A model transformers sharded at load time (tensor parallel): its parameters are DTensors."""
+    if loaded_distributed:
+        return True
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
+    """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (logged once).
+
+    Raises:
+        ValueError: an hfstream mode asked for where FSDP, DeepSpeed or tensor parallelism owns
+            gradient communication.
+    """
+    requested = args.grad_sync
+    engine = accelerator.distributed_type
+    plain_dp = engine in PLAIN_DP and not args.uses_sharded_engine() and not sharded_model
+    if requested in HFSTREAM_MODES and not plain_dp:
+        owner = ("the model was sharded at load time (DTensor parameters / from_pretrained(distributed_config=...))"
+                 if sharded_model else f"Accelerate runs {engine}")
+        raise ValueError(
+            f"grad_sync={requested!r} needs plain data parallel, but {owner}: FSDP, DeepSpeed and tensor "
+            "parallelism own gradient communication. Use grad_sync='native'.")
+    if requested != "auto":
+        return requested
+    multi = accelerator.num_processes > 1
+    if multi and (args.uses_sharded_engine() or sharded_model):
+        logger.warning("hfstream: grad_sync='auto' falls back to 'native': FSDP/DeepSpeed/tensor parallelism (or a "
+                       "model sharded at load time) own gradient communication (prefetching still applies)")
+        return "native"
+    mode = "overlap" if plain_dp and multi and args.n_gpu <= 1 else "native"
+    reason = ("plain multi-process data parallel" if mode == "overlap"
+              else f"distributed type {engine}, {accelerator.num_processes} process(es)")
+    logger.info("hfstream: grad_sync='auto' resolved to %r (%s)", mode, reason)
+    return mode
+
+
+def gradient_group(args):
+    """On NCCL with comm_stream_priority="high", a group whose kernels run on a high-priority stream; else None.
+
+    NCCL fixes its stream's priority when the communicator is created, so the default group
+    (made by Accelerate) cannot be raised afterwards. This group carries only the gradient
+    collectives, which never run concurrently with the default group's: those (loss gathering,
+    metrics) happen outside backward, after ``finish()``. The Trainer creates it once and reuses
+    it for every ``train()`` (a communicator per call would pile up over a hyperparameter search).
+    """
+    import torch.distributed as dist
+
+    if (args.comm_stream_priority != "high" or not dist.is_available() or not dist.is_initialized()
+            or dist.get_world_size() == 1 or dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL")):
+        return None
+    timeout = datetime.timedelta(seconds=args.ddp_timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    # new_group() compares the options' own timeout with its argument and warns on every rank when
+    # they differ; this is the attribute it reads (and then overwrites with the argument).
+    options._timeout = timeout
+    return dist.new_group(backend="nccl", pg_options=options, timeout=timeout)
