@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import TrainingArguments
 
+from .field_defaults import check_field_defaults
 from .gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, STREAM_PRIORITIES, comm_dtype_name
 
 GRAD_SYNC_MODES = ("auto", "overlap", "serial", "sharded", "native")
@@ -116,9 +117,7 @@ class StreamTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
-        from .combined_args import check_field_defaults
-
-        check_field_defaults(type(self))   # another TrainingArguments subclass's defaults must survive
+        check_field_defaults(type(self), StreamTrainingArguments)   # another subclass's defaults must survive
         self._validate_stream_fields()
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
             logger.info("hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "

@@ -152,6 +152,8 @@ def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype
                 (loss_fn(model, micro) / accum).backward()
         sync.finish()
         out["norms"].append(sync.clip_grad_norm_(MAX_NORM).item())
+        if step == 0:
+            out["grad_norms"] = {n: v.item() for n, v in sync.grad_norms().items()}
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -161,6 +163,9 @@ def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype
         if ref is not None:
             loss_fn(ref, batch).backward()
             out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+            if step == 0:
+                out["ref_grad_norms"] = {n: p.grad.norm().item() for n, p in ref.named_parameters()
+                                         if p.grad is not None}
             ref_opt.step()
             ref_sched.step()
             ref_opt.zero_grad()
@@ -212,6 +217,17 @@ def test_sharded_training_matches_single_process_on_the_whole_batch(parity, conf
     # Both ranks hold bit-identical parameters: every slice was all-gathered to every rank.
     for name, value in parity[0][config]["final"].items():
         assert torch.equal(value, parity[1][config]["final"][name]), f"{config}: ranks differ at {name}"
+
+
+@pytest.mark.multiprocess
+def test_grad_norms_give_each_parameters_mean_gradient_norm_from_the_slices(parity):
+    want = parity[0]["several"]["ref_grad_norms"]
+    assert len(want) >= 6
+    for rank in (0, 1):
+        got = parity[rank]["several"]["grad_norms"]
+        assert got.keys() == want.keys()   # the frozen layer has no gradient, as unsharded
+        for name, norm in want.items():
+            assert got[name] == pytest.approx(norm, rel=1e-5), name
 
 
 @pytest.mark.multiprocess
@@ -280,11 +296,16 @@ def auto_and_memory_suite(rank, world_size, steps=16):
         sync.finish()
         out["num_buckets"].append(len(sync.buckets))
         out["norms"].append(sync.clip_grad_norm_(MAX_NORM).item())
+        if step == 0:
+            out["grad_norms"] = {n: v.item() for n, v in sync.grad_norms().items()}
         opt.step()
         opt.zero_grad()
         if ref is not None:
             F.mse_loss(ref(x), y).backward()
             out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
+            if step == 0:
+                out["ref_grad_norms"] = {n: p.grad.norm().item() for n, p in ref.named_parameters()
+                                         if p.grad is not None}
             ref_opt.step()
             ref_opt.zero_grad()
     sync.wait_for_params()
