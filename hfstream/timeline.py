@@ -9,7 +9,7 @@ Only backward can hide communication, so the per-step ceiling (docs/design.md se
 Under ``grad_sync="sharded"`` the all-gather of the parameters runs behind the next forward,
 so the step's limit crosses the step boundary (docs/design.md section 7):
 
-    cross_step_limit = max(forward + backward + optimizer, comm_busy)   (optimizer: this rank's 1/N)
+    cross_step_limit = max(forward + backward + optimizer / N, comm_busy)   (`cross_step_limit`)
 
 There communication is two parts, each busy and exposed: the reduce-scatters in backward (waited
 in ``finish()``) and the previous step's all-gathers (waited by the forward's pre-hooks: that
@@ -28,6 +28,17 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
+
+
+def cross_step_limit(forward_ms: float, backward_ms: float, optimizer_per_rank_ms: float, comm_ms: float) -> float:
+    """The sharded mode's best step: ``max(forward + backward + optimizer / N, comm)`` (docs/design.md section 4).
+
+    The one definition the report, the benchmark, the planner and the course use. Args:
+    ``optimizer_per_rank_ms``, the time to step this rank's 1/N of the parameters (a sharded run's
+    measured optimizer time, or an unsharded one's divided by N); ``comm_ms``, the link's time for
+    the whole ring all-reduce (a sharded run's reduce-scatter plus all-gather busy time).
+    """
+    return max(forward_ms + backward_ms + optimizer_per_rank_ms, comm_ms)
 
 import torch
 
@@ -75,7 +86,7 @@ class StepRecord:
     def cross_step_limit_ms(self) -> float:
         if not self.sharded:
             return math.nan
-        return max(self.forward_ms + self.backward_ms + self.optimizer_ms, self.comm_busy_ms)
+        return cross_step_limit(self.forward_ms, self.backward_ms, self.optimizer_ms, self.comm_busy_ms)
 
     @property
     def reduce_scatter_busy_ms(self) -> float:
@@ -274,9 +285,13 @@ class StepTimeline:
 
     # -- marks, in step order ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
+        # The step's mark first, then the data wait's start: the wait lies inside the step even
+        # when the thread is preempted between the two (under load it was, by 0.3 ms, and the
+        # step's parts summed past the step).
+        start = self._clock.mark()
         self._data_t0 = time.perf_counter()
         self._cur = _PendingStep(step=step, host_start=self._data_t0)
-        self._cur.start = self._clock.mark()
+        self._cur.start = start
 
     def data_ready(self) -> None:
         if self._cur is not None:

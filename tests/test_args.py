@@ -89,3 +89,16 @@ def test_bucket_falls_back_to_ddp_bucket_cap(tmp_path):
     assert make(tmp_path, ddp_bucket_cap_mb=4, grad_bucket_mb=8).effective_bucket_mb == 8.0
     assert make(tmp_path).effective_bucket_mb == "auto"
     assert make(tmp_path, grad_bucket_mb=25).effective_bucket_mb == 25.0
+
+
+def test_hfstream_log_lines_carry_the_prefix_once():
+    import logging
+
+    from hfstream.trainer import _Prefixed
+
+    def shown(message):
+        return _Prefixed().format(logging.LogRecord("hfstream.x", logging.WARNING, __file__, 1, message, (), None))
+
+    assert shown("hfstream watchdog: rank 0 has been waiting") == "[hfstream] watchdog: rank 0 has been waiting"
+    assert shown("hfstream: grad_sync='auto' resolved") == "[hfstream] grad_sync='auto' resolved"
+    assert shown("GradSync: overlap lost") == "[hfstream] GradSync: overlap lost"

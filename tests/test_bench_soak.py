@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.multiprocess,
 
 def test_threads_and_open_files_stay_flat_across_twelve_epochs():
     doc = soak(steps=48, every=4, warmup_steps=8, samples_n=32)       # 4 steps per epoch
+    assert sorted(doc["per_rank"]) == sorted(doc["samples"]) and len(doc["per_rank"]) == 2, doc["per_rank"]
     for rank, row in doc["per_rank"].items():
         for key in ("threads", "open_files"):
             assert row[key]["after_warmup"] == row[key]["last"], (rank, key, doc["samples"][rank])

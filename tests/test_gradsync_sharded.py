@@ -120,13 +120,15 @@ def _state(model):
 
 
 # -- parity ----------------------------------------------------------------------------------------
-def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype=None, trace=False, prestep=False):
+def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype=None, trace=False, prestep=False,
+                 one_call=False):
     """Sharded training on this rank's share; on rank 0 also the single-process reference on the whole batch.
 
     ``trace`` records the parameters after every step (through ``wait_for_params()``); otherwise
     the steps run untouched (gathers overlap the next forward) and the final parameters are
     read through ``state_dict()``. ``prestep``: the optimizer steps once, unsharded, before it is
-    sharded (every rank alike): that state must be kept.
+    sharded (every rank alike): that state must be kept. ``one_call``: the step gets a closure,
+    so it runs in one call instead of bucket by bucket (the gathers then follow it).
     """
     torch.manual_seed(100 + (0 if prestep else rank))   # different weights per rank until the broadcast
     model = TiedFrozenBranch()
@@ -154,7 +156,7 @@ def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype
         out["norms"].append(sync.clip_grad_norm_(MAX_NORM).item())
         if step == 0:
             out["grad_norms"] = {n: v.item() for n, v in sync.grad_norms().items()}
-        opt.step()
+        opt.step((lambda: None) if one_call else None)
         sched.step()
         opt.zero_grad()
         if trace:
@@ -184,6 +186,8 @@ def parity_suite(rank, world_size):
         results[name] = train_parity(rank, world_size, bucket_mb=cap, trace=name == "several")
     results["accum4"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], accum=4)
     results["adamw"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], kind="adamw")
+    results["adamw_one_call"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], kind="adamw", one_call=True)
+    results["several_one_call"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], one_call=True)
     results["adagrad"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], kind="adagrad")
     results["adamw_stepped"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], kind="adamw", prestep=True)
     results["bf16_wire"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], comm_dtype="bf16")
@@ -217,6 +221,16 @@ def test_sharded_training_matches_single_process_on_the_whole_batch(parity, conf
     # Both ranks hold bit-identical parameters: every slice was all-gathered to every rank.
     for name, value in parity[0][config]["final"].items():
         assert torch.equal(value, parity[1][config]["final"][name]), f"{config}: ranks differ at {name}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("config", ["several", "adamw"])
+def test_stepping_bucket_by_bucket_is_exactly_the_one_call_step(parity, config):
+    for rank in (0, 1):
+        piecewise, whole = parity[rank][config], parity[rank][f"{config}_one_call"]
+        assert piecewise["num_buckets"] > 1
+        for name, value in whole["final"].items():
+            assert torch.equal(piecewise["final"][name], value), f"{config} rank {rank}: {name}"
 
 
 @pytest.mark.multiprocess
@@ -296,16 +310,11 @@ def auto_and_memory_suite(rank, world_size, steps=16):
         sync.finish()
         out["num_buckets"].append(len(sync.buckets))
         out["norms"].append(sync.clip_grad_norm_(MAX_NORM).item())
-        if step == 0:
-            out["grad_norms"] = {n: v.item() for n, v in sync.grad_norms().items()}
         opt.step()
         opt.zero_grad()
         if ref is not None:
             F.mse_loss(ref(x), y).backward()
             out["ref_norms"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM).item())
-            if step == 0:
-                out["ref_grad_norms"] = {n: p.grad.norm().item() for n, p in ref.named_parameters()
-                                         if p.grad is not None}
             ref_opt.step()
             ref_opt.zero_grad()
     sync.wait_for_params()

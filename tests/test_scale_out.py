@@ -104,16 +104,16 @@ def test_a_frozen_peer_ends_the_run_within_ddp_timeout_and_says_what_was_pending
     """The stock Trainer, same setup (ddp_timeout=20, peer frozen at step 4), still waited 150 s later."""
     out, nodes = _fault_run(tmp_path, "stop", ["--grad_sync", "overlap"])
     _assert_survivor_failed_cleanly(nodes, out, DDP_TIMEOUT, "GradSync.finish() on rank 0",
-                                    "reduction not complete", "hfstream watchdog: rank 0 has been inside step 5")
+                                    "reduction not complete", "watchdog: rank 0 has been inside step 5")
 
 
 # Where a peer may freeze, beyond "inside a step": the survivor must end within ddp_timeout plus a
 # margin wherever it then waits, and say where that was.
 FAULT_POINTS = {
-    "between": ([], "hfstream watchdog: rank 0 has been"),
+    "between": ([], "watchdog: rank 0 has been"),
     "eval": (["--eval_strategy", "steps", "--eval_steps", "4", "--per_device_eval_batch_size", "4"],
-             "hfstream watchdog: rank 0 has been"),
-    "save": (["--save_strategy", "steps", "--save_steps", "4"], "hfstream watchdog: rank 0 has been"),
+             "watchdog: rank 0 has been"),
+    "save": (["--save_strategy", "steps", "--save_steps", "4"], "watchdog: rank 0 has been"),
 }
 
 

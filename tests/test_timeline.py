@@ -129,3 +129,23 @@ def test_run_figures_leave_the_backend_alone(tmp_path):
         assert matplotlib.get_backend() == "svg"
     finally:
         matplotlib.use(before)
+
+
+def test_a_steps_parts_never_sum_past_the_step_when_the_host_is_preempted(monkeypatch):
+    """The thread is preempted for 1 ms right as the step begins: the data wait stays inside the step."""
+    import hfstream.timeline as timeline
+
+    clock = iter([0.0, 1.0, 2.0, 2.0, 3.0, 4.0, 4.0, 5.0])   # ms, one per clock read, in step order
+    monkeypatch.setattr(timeline.time, "perf_counter", lambda: next(clock) * 1e-3)
+    tl = StepTimeline()
+    tl.begin_step(1)        # two reads: the step's mark and the data wait's start, 1 ms apart
+    tl.data_ready()
+    tl.forward_start()
+    tl.forward_end()
+    tl.backward_end()
+    tl.add_comm(comm_busy_ms=5.0, exposed_comm_ms=0.0)
+    tl.optimizer_start()
+    tl.end_step()
+    (rec,) = tl.records
+    parts = rec.data_wait_ms + rec.forward_ms + rec.backward_ms + rec.exposed_comm_ms + rec.optimizer_ms
+    assert rec.data_wait_ms > 0 and parts <= rec.step_ms, (parts, rec)

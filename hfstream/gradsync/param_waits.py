@@ -13,8 +13,7 @@ code that reads it runs inside that module's forward. A tied parameter waits at 
 Under ``torch.compile`` of the whole model, per-module waits would split the graph at every
 layer; there the root waits for every bucket (said once): the gathers then overlap what runs
 between the step and the forward (the scheduler, logging, data), not the forward itself. Every
-hook is ``torch.compiler.disable``-d: a compiled region that contains one breaks there and runs
-it eagerly, never a traced copy that would skip the wait.
+hook runs eagerly under torch.compile, never as a traced copy that would skip the wait (`eager`).
 """
 
 from __future__ import annotations
@@ -23,6 +22,8 @@ import functools
 from typing import Callable
 
 import torch
+
+from .eager import eager_hook
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
@@ -54,7 +55,7 @@ class ForwardWaits:
         if self.compiled:
             return
         for module in self.inner.modules():
-            self._recording.append(module.register_forward_pre_hook(torch.compiler.disable(self._ran_hook)))
+            self._recording.append(module.register_forward_pre_hook(eager_hook(self._ran_hook)))
 
     def _ran_hook(self, module, _args) -> None:
         if module.training and torch.is_grad_enabled():
@@ -95,7 +96,7 @@ class ForwardWaits:
             self._hook(reader, sorted(indices))
 
     def _hook(self, module: torch.nn.Module, indices: list[int]) -> None:
-        hook = torch.compiler.disable(functools.partial(self._before_forward, indices))
+        hook = eager_hook(functools.partial(self._before_forward, indices))
         self._waits.append(module.register_forward_pre_hook(hook))
 
     def _before_forward(self, indices: list[int], module, _args) -> None:

@@ -59,6 +59,7 @@ class ShardedReduction(Reduction):
         self.waits = ForwardWaits(wiring.model, wiring.hooked, self._wait_indices, wiring.note)
         self._handles: list = []
         self.closed = False   # after close(): a second train() re-cuts the optimizer it sharded
+        self._stepped_groups = None   # the param groups, while a pipelined step left them empty
 
     @property
     def attached(self) -> bool:
@@ -105,8 +106,8 @@ class ShardedReduction(Reduction):
         shard_optim.install(optimizer, self.states, self._group)
         w = self.wiring
         self._handles += [
-            optimizer.register_step_pre_hook(lambda *_: self.adopt_edits()),
-            optimizer.register_step_post_hook(lambda *_: self.step_done()),
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
             # Checkpoints in the whole, layout-free form load by themselves (shard_state).
             optimizer.register_state_dict_post_hook(lambda _opt, sd: shard_state.mark_local(sd, self._layout())),
             optimizer.register_load_state_dict_pre_hook(
@@ -256,17 +257,61 @@ class ShardedReduction(Reduction):
                                                 self.wiring.world_size, keep)
 
     # -- the second half: parameters ----------------------------------------------------------------
-    def step_done(self) -> None:
-        """After ``optimizer.step()``: launch every bucket's all-gather, in forward order (reverse plan)."""
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """The step's pre-hook: keep edits, then step bucket by bucket, each gather launched at once.
+
+        [Note: pipelined step] The optimizer's own ``step()`` runs after its pre-hooks. Here it
+        is run first, once per bucket in forward order, on that bucket's pieces only (the
+        class's step without the hooks: ``__wrapped__``), and each bucket's all-gather is
+        launched as soon as its pieces are updated, so the gathers overlap the rest of the
+        step. The step proper then finds empty param groups; the post-hook puts them back. For
+        an elementwise optimizer (the only kind `shard_optim` accepts) stepping the pieces in
+        several calls is the same arithmetic as in one (tested: equal parameters). With a
+        closure the step runs in one call and the gathers follow it.
+        """
+        self.adopt_edits()
         self.waits.place()
-        recorder = self.wiring.recorder
+        closure = args[0] if args else kwargs.get("closure")
+        step = getattr(type(optimizer).step, "__wrapped__", None)
+        if closure is not None or step is None:
+            return
+        groups = [g["params"] for g in optimizer.param_groups]
+        try:
+            for st in reversed(self.states):
+                self.wait_bucket(st)   # two steps without a forward between them
+                for g, group in enumerate(optimizer.param_groups):
+                    group["params"] = [t for pc, t in zip(st.layout.pieces, st.layout.tensors)
+                                       if self._group(st.params[pc.slot]) == g]
+                step(optimizer)
+                self._launch_gather(st)
+        except BaseException:
+            for group, params in zip(optimizer.param_groups, groups):
+                group["params"] = params
+            raise
+        self._stepped_groups = groups
+        for group in optimizer.param_groups:
+            group["params"] = []
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self._stepped_groups is None:
+            return self.step_done()
+        for group, params in zip(optimizer.param_groups, self._stepped_groups):
+            group["params"] = params
+        self._stepped_groups = None
+
+    def step_done(self) -> None:
+        """After a one-call ``optimizer.step()``: launch every bucket's all-gather, in forward order."""
+        self.waits.place()
         for st in reversed(self.states):
             self.wait_bucket(st)   # two steps without a forward between them
-            device, sh = st.plan.device, st.layout
-            sh.timing = recorder.gather_launching(st.plan.index, device, events=device in self.wiring.comm_streams)
-            sh.gather = collectives.launch_all_gather(sh.gathered, sh.master, self.wiring.group)
-            st.move(Phase.GATHERING)
-            recorder.gather_launched(sh.timing, sh.gather)
+            self._launch_gather(st)
+
+    def _launch_gather(self, st: BucketState) -> None:
+        recorder, device, sh = self.wiring.recorder, st.plan.device, st.layout
+        sh.timing = recorder.gather_launching(st.plan.index, device, events=device in self.wiring.comm_streams)
+        sh.gather = collectives.launch_all_gather(sh.gathered, sh.master, self.wiring.group)
+        st.move(Phase.GATHERING)
+        recorder.gather_launched(sh.timing, sh.gather)
 
     def _wait_indices(self, indices: list[int], module) -> None:
         # A training forward's wait is the step's all-gather exposed time; an evaluation's is not.

@@ -52,6 +52,7 @@ from .broadcast import broadcast_from_rank0
 from .bucket_state import BucketState, Phase
 from .buckets import Bucket
 from .comm_streams import CommStreams
+from .eager import eager_hook
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
 from .overlap_check import OverlapCheck
 from .reduction import AllReduce, Reduction, Wiring
@@ -154,7 +155,7 @@ class GradSync:
                 # bucket, so re-planning (bucket_mb="auto") needs no new hooks.
                 self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)))
             # Never traced by torch.compile: it keeps Python state a compiled graph would freeze.
-            self._handles.append(model.register_forward_pre_hook(torch.compiler.disable(self._on_forward)))
+            self._handles.append(model.register_forward_pre_hook(eager_hook(self._on_forward)))
             self._comm_streams.hint_nccl_priority(process_group)
 
     # -- what other modules may read -----------------------------------------------------------------

@@ -21,6 +21,7 @@ import statistics
 from typing import Sequence
 
 from hfstream.gradsync import DDP_BUCKET_MB
+from hfstream.timeline import cross_step_limit
 
 from .config import MEMORY_TARGET, MODES, SHARDED_MODES, TARGETS, BenchConfig
 
@@ -137,7 +138,8 @@ def _cross_step(modes: dict, world_size: int) -> dict | None:
     if s is None:
         return None
     compute = s["forward_ms"] + s["backward_ms"] + s["optimizer_ms"] / world_size
-    return {"step_ms": max(compute, s["comm_busy_ms"]), "source": "serial", "compute_ms": compute,
+    limit = cross_step_limit(s["forward_ms"], s["backward_ms"], s["optimizer_ms"] / world_size, s["comm_busy_ms"])
+    return {"step_ms": limit, "source": "serial", "compute_ms": compute,
             "comm_busy_ms": s["comm_busy_ms"], "optimizer_ms": s["optimizer_ms"] / world_size}
 
 

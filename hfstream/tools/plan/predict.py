@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.gradsync.buckets import MiB
+from hfstream.timeline import cross_step_limit
 
 from .shapes import ModelShape
 
@@ -303,7 +304,7 @@ def predict_sharded(buckets: list[tuple[float, float]], world_size: int, cfg: Pl
     return {"optimizer_sharded_ms": opt_sharded, "reduce_scatter_busy_ms": sum(t),
             "reduce_scatter_exposed_ms": exposed_rs, "all_gather_busy_ms": sum(t),
             "all_gather_exposed_ms": exposed_ag, "step_sharded_ms": fwd + exposed_ag + bwd + exposed_rs + opt_sharded,
-            "cross_step_limit_ms": max(fwd + bwd + opt_sharded, busy)}
+            "cross_step_limit_ms": cross_step_limit(fwd, bwd, opt_sharded, busy)}
 
 
 def overlap_limit(shape: ModelShape, cfg: PlanConfig, buckets: list[tuple[float, float]] | None = None,
