@@ -211,3 +211,22 @@ def test_auto_with_one_process_tunes_nothing():
 def test_bad_bucket_mb_is_refused_with_the_accepted_values(value):
     with pytest.raises(ValueError, match=r"bucket_mb=.*accepted values.*'auto'"):
         GradSync(nn.Linear(2, 2), bucket_mb=value)
+
+
+@pytest.mark.parametrize("whole_step, want_ms", [(False, 2.0), (True, 12.0)])
+def test_sharded_auto_scores_the_whole_step_overlap_from_its_first_gradient(monkeypatch, whole_step, want_ms):
+    """Under sharded the cap also changes the forward's waits and the bucket-by-bucket step: it scores them.
+
+    The last finish() ended at 0 ms, this step's first gradient hook fires at 10 ms, finish() ends at 12 ms.
+    """
+    import hfstream.gradsync.tune as tune
+
+    reads = iter([0.0, 10.0, 12.0] if not whole_step else [0.0, 12.0])   # ms, one per clock read
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: next(reads) * 1e-3)
+    scores = []
+    cap = tune.AutoBucketCap.__new__(tune.AutoBucketCap)
+    cap.whole_step, cap._start, cap._last_end = whole_step, None, tune._mark(torch.device("cpu"))
+    cap.tuner = type("Tuner", (), {"observe": lambda self, ms: scores.append(ms), "done": False, "current_mb": 1.0})()
+    cap.step_started(torch.zeros(1))
+    cap.step_finished()
+    assert scores == [pytest.approx(want_ms)]

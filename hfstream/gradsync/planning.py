@@ -27,6 +27,7 @@ class Planner:
         hooked: ``(name, parameter)`` GradSync hooks, in registration order.
         bucket_mb, first_bucket_mb: GradSync's arguments (``bucket_mb`` may be ``"auto"``).
         group: the process group (``"auto"`` agrees on its choice over it); None with one process.
+        tune_whole_step: ``"auto"`` scores whole steps, not backward and finish() alone (`tune`).
 
     Attributes:
         bucket_mb: the cap in use; under ``"auto"`` the string while tuning, then the chosen cap.
@@ -34,7 +35,7 @@ class Planner:
         arrival: the order gradients arrive in, recorded in the first synchronised step.
     """
 
-    def __init__(self, hooked, bucket_mb, first_bucket_mb, group):
+    def __init__(self, hooked, bucket_mb, first_bucket_mb, group, tune_whole_step: bool = False):
         self.hooked, self.first_bucket_mb, self.group = hooked, first_bucket_mb, group
         self.device = hooked[-1][1].device if hooked else torch.device("cpu")   # where agreements travel
         self._named = list(hooked)   # what the planner walks (backwards): registration order at first
@@ -47,7 +48,7 @@ class Planner:
         if auto and group is not None:
             # Every rank prunes the same candidates from the same model, so all agree on the
             # schedule without talking; only the final choice needs a collective (tune.py).
-            self._auto = AutoBucketCap(self.plan, group, self.device)
+            self._auto = AutoBucketCap(self.plan, group, self.device, whole_step=tune_whole_step)
             self.bucket_mb, self.planned_mb = "auto", self._auto.current_mb
 
     @property

@@ -70,6 +70,7 @@ class Reduction:
     """The whole-gradient strategy's defaults; `AllReduce` and `sharded.ShardedReduction` implement it."""
 
     launch_from_hooks = True   # False: every bucket waits for finish() (mode="serial")
+    tune_whole_step = False    # bucket_mb="auto" scores whole steps: the cap changes forward and step too
 
     def __init__(self, wiring: Wiring):
         self.wiring = wiring

@@ -49,6 +49,8 @@ class ShardedReduction(Reduction):
         waits: where forwards wait for the gathers (`param_waits.ForwardWaits`).
     """
 
+    tune_whole_step = True   # the cap changes the forward's waits and the bucket-by-bucket step too
+
     def __init__(self, wiring: Wiring):
         super().__init__(wiring)
         self.local_sum = wiring.group is not None and collectives.reduces_locally(wiring.group)

@@ -142,7 +142,8 @@ class GradSync:
                               self._recorder, self._comm_streams, self._say)
         self.reduction: Reduction = (ShardedReduction(self._wiring) if mode == "sharded"
                                      else AllReduce(self._wiring, serial=mode == "serial"))
-        self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None)
+        self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None,
+                                tune_whole_step=self.reduction.tune_whole_step)
         self._steps = 0                         # synchronised steps finished
         self._overlap = OverlapCheck()         # says once when reductions could not overlap backward
         self.buckets: list[Bucket] = self._planner.plan()

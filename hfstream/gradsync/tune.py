@@ -9,8 +9,11 @@ the measurements.
 
 The score is what the cap changes and what GradSync can measure on its own, without a Trainer:
 the time from the first gradient hook of the synchronised backward to the end of ``finish()``
-(backward from its first gradient on, plus exposed communication, plus copying back). Forward
-and the optimizer step do not depend on the cap. A rank's score for a candidate is the best of
+(backward from its first gradient on, plus exposed communication, plus copying back). Under
+``mode="overlap"`` forward and the optimizer step do not depend on the cap. Under
+``mode="sharded"`` they do (the next forward waits for the all-gathers bucket by bucket, the
+optimizer steps bucket by bucket), so there the score is the whole step, from the end of one
+``finish()`` to the end of the next (``whole_step``). A rank's score for a candidate is the best of
 its scored steps (interference from other processes only ever adds time); the ranks agree on it
 with a MAX all-reduce (a step is as slow as its slowest rank), so every rank holds the same
 scores; at the end rank 0 picks the lowest and broadcasts its pick. Every rank therefore switches
@@ -190,22 +193,22 @@ class AutoBucketCap:
             of the group serves it).
     """
 
-    def __init__(self, plan_for: Callable[[float], list], group, device: torch.device):
-        self.group, self.device = group, device
+    def __init__(self, plan_for: Callable[[float], list], group, device: torch.device, whole_step: bool = False):
+        self.group, self.device, self.whole_step = group, device, whole_step
         caps, counts = distinct_candidates(plan_for, CANDIDATES_MB)
         self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank)
         self._start = None   # (host time, event or None, device) of the step's first synchronised hook
+        self._last_end = None   # whole_step: (host time, event or None, device) at the end of the last finish()
 
     @property
     def current_mb(self) -> float:
         return self.tuner.current_mb
 
     def step_started(self, param: torch.Tensor) -> None:
-        event = None
-        if streams.is_accelerator(param.device):
-            event = streams.new_event(param.device, enable_timing=True)
-            event.record(streams.current_stream(param.device))
-        self._start = (time.perf_counter(), event, param.device)
+        if self.whole_step and self._last_end is not None:
+            self._start = self._last_end
+            return
+        self._start = _mark(param.device)
 
     def step_finished(self) -> tuple[float, TuningResult | None]:
         """Score the step that just ended; the cap for the next step, and the result once done."""
@@ -217,15 +220,15 @@ class AutoBucketCap:
         return result.bucket_mb, result
 
     def _score_ms(self) -> float:
-        """First synchronised gradient hook to the end of finish()."""
+        """First synchronised gradient hook (``whole_step``: the end of the last finish()) to the end of finish()."""
         start, event, device = self._start
         self._start = None
+        end = _mark(device)
+        self._last_end = end
         if event is None:
-            return (time.perf_counter() - start) * 1e3
-        end = streams.new_event(device, enable_timing=True)
-        end.record(streams.current_stream(device))
-        end.synchronize()   # tuning steps only: the score must be known before the next step
-        return event.elapsed_time(end)
+            return (end[0] - start) * 1e3
+        end[1].synchronize()   # tuning steps only: the score must be known before the next step
+        return event.elapsed_time(end[1])
 
     def _slowest_rank(self, score_ms: float) -> float:
         t = torch.tensor([score_ms], dtype=torch.float64, device=self.device)
@@ -236,3 +239,12 @@ class AutoBucketCap:
         t = torch.tensor([index], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
         return int(t.item())
+
+
+def _mark(device) -> tuple:
+    """(host time, an event on the compute stream or None, device)."""
+    event = None
+    if streams.is_accelerator(device):
+        event = streams.new_event(device, enable_timing=True)
+        event.record(streams.current_stream(device))
+    return time.perf_counter(), event, device
