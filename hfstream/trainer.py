@@ -38,33 +38,11 @@ from .args import StreamTrainingArguments
 from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
 from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_sharded, resolve_grad_sync
+from .log import show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
 from .timeline import FIELDS, StepTimeline, StreamReport, combine_ranks
 
 logger = logging.getLogger(__name__)
-
-class _Prefixed(logging.Formatter):
-    """``[hfstream] message``, once: a message that names hfstream itself ("hfstream: ...") loses that name."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        message = super().format(record)
-        for own in ("hfstream: ", "hfstream "):
-            if message.startswith(own):
-                message = message[len(own):]
-                break
-        return f"[hfstream] {message}"
-
-
-def _show_hfstream_logs(level: int) -> None:
-    """hfstream's log lines follow the Trainer's ``log_level`` (warnings by default), on stderr."""
-    root = logging.getLogger("hfstream")
-    root.setLevel(level)
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(_Prefixed())
-        root.addHandler(handler)
-        root.propagate = False
-
 
 class StreamTrainerMixin:
     """Prefetching, overlapped gradient sync and the step report for any `Trainer` subclass.
@@ -86,7 +64,7 @@ class StreamTrainerMixin:
                    f"build them with hfstream.stream_arguments({given.__name__})(...), which is {given.__name__} "
                    f"plus hfstream's fields")
             raise TypeError(f"{type(self).__name__} needs hfstream's arguments, got {given.__name__}: {fix}.")
-        _show_hfstream_logs(self.args.get_process_log_level())
+        show_hfstream_logs(self.args.get_process_log_level())
         self.grad_sync_mode = resolve_grad_sync(self.args, self.accelerator, self._model_is_sharded())
         self._grad_group = None   # the gradient collectives' process group, once created (NCCL only)
         self.grad_sync = None                    # a GradSync once training prepared the model

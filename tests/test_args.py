@@ -94,10 +94,10 @@ def test_bucket_falls_back_to_ddp_bucket_cap(tmp_path):
 def test_hfstream_log_lines_carry_the_prefix_once():
     import logging
 
-    from hfstream.trainer import _Prefixed
+    from hfstream.log import Prefixed
 
     def shown(message):
-        return _Prefixed().format(logging.LogRecord("hfstream.x", logging.WARNING, __file__, 1, message, (), None))
+        return Prefixed().format(logging.LogRecord("hfstream.x", logging.WARNING, __file__, 1, message, (), None))
 
     assert shown("hfstream watchdog: rank 0 has been waiting") == "[hfstream] watchdog: rank 0 has been waiting"
     assert shown("hfstream: grad_sync='auto' resolved") == "[hfstream] grad_sync='auto' resolved"
