@@ -140,7 +140,10 @@ def _final(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / "params_rank0.pt")
 
 
-@pytest.mark.parametrize("grad_sync", ["overlap", "sharded"])
+# The overlap variant is slow-marked to keep `make test` within 20 minutes on 2 cores: its resume
+# path is the stock Trainer's (tests/test_trainer_overlap.py resumes overlap in the default run);
+# the sharded variant, whose optimizer checkpoint is hfstream's own, stays in the default run.
+@pytest.mark.parametrize("grad_sync", [pytest.param("overlap", marks=pytest.mark.slow), "sharded"])
 def test_resume_after_every_rank_is_killed_matches_an_uninterrupted_run_bitwise(tmp_path, grad_sync):
     """40 steps, a checkpoint every 10, every rank SIGKILLed at step 25, resumed from step 20.
 

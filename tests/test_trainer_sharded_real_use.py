@@ -98,6 +98,14 @@ def _run_group(rank, world_size, tmp, names):
     return out
 
 
+@pytest.fixture(scope="module")
+def all_runs(tmp_path_factory):
+    """Every scenario of the default run in one spawn of 2 ranks (each spawn costs a transformers import)."""
+    names = [f"peft-{n}" for n in PEFT] + ["optimizers"] + list(CALLBACKS) + [
+        "best-model", "short-last-window", "compile-aot_eager"]
+    return _spawn(tmp_path_factory, "real-use", names)
+
+
 def _spawn(tmp_path_factory, label, names):
     from hfstream.testing import run_on_ranks
 
@@ -187,9 +195,9 @@ for _name, (_config, _) in PEFT.items():
 
 
 @pytest.fixture(scope="module")
-def peft_runs(tmp_path_factory):
+def peft_runs(all_runs):
     pytest.importorskip("peft")
-    return _spawn(tmp_path_factory, "peft", [f"peft-{n}" for n in PEFT])[1]
+    return all_runs[1]
 
 
 def _check_peft(ranks, name):
@@ -256,8 +264,8 @@ def _optimizers(side, rank, out_dir):
 
 
 @pytest.fixture(scope="module")
-def optimizer_runs(tmp_path_factory):
-    return _spawn(tmp_path_factory, "optimizers", ["optimizers"])[1]
+def optimizer_runs(all_runs):
+    return all_runs[1]
 
 
 def _optimizer_outcome(out, name):
@@ -459,8 +467,8 @@ CALLBACKS = ("in-place-edit", "l2-before-forward", "freeze-sgd", "freeze-adamw",
 
 
 @pytest.fixture(scope="module")
-def callback_runs(tmp_path_factory):
-    return _spawn(tmp_path_factory, "callbacks", CALLBACKS)[1]
+def callback_runs(all_runs):
+    return all_runs[1]
 
 
 def test_sharded_keeps_an_in_place_edit_made_by_a_callback_between_steps(callback_runs):
@@ -578,8 +586,8 @@ scenario("compile-inductor")(_compiled("inductor"))
 
 
 @pytest.fixture(scope="module")
-def end_runs(tmp_path_factory):
-    return _spawn(tmp_path_factory, "end", ["best-model", "short-last-window", "compile-aot_eager"])
+def end_runs(all_runs):
+    return all_runs
 
 
 def test_best_model_at_end_evaluate_predict_generate_and_save_model_match_stock(end_runs):
