@@ -163,7 +163,7 @@ class AllReduce(Reduction):
                 st.used[slot] = False   # a gradient zeroed away (zero_grad after a diagnostic backward) is none
                 dst.zero_()             # no gradient on this rank: it contributes zeros to the mean
                 continue
-            _check_dense(grad, st, slot)
+            check_dense(grad, st, slot)
             if stream is not None:
                 streams.record_stream(grad, stream)   # keep its memory until the side stream has read it
             if not st.used[slot] and grad.data_ptr() == dst.data_ptr():
@@ -207,6 +207,6 @@ class AllReduce(Reduction):
             torch._foreach_copy_(grads, means)   # one fused copy per bucket; casts back from a compressed wire
 
 
-def _check_dense(grad: torch.Tensor, st: BucketState, slot: int) -> None:
+def check_dense(grad: torch.Tensor, st: BucketState, slot: int) -> None:
     if grad.is_sparse:
         raise RuntimeError(f"GradSync does not support sparse gradients ({st.plan.names[slot]!r})")

@@ -105,18 +105,22 @@ def shard_optimizer(reduction, optimizer):
     return optimizer
 
 
-def install(optimizer, states, group_of) -> None:
-    """Point every param group at this rank's piece tensors of that group, in bucket order.
-
-    ``group_of(p)``: the param group of model parameter ``p``. A group may be empty on a rank
-    whose slices hold none of its elements; the groups stay, in order, so schedulers and
-    per-group settings line up on every rank.
-    """
-    per_group = [[] for _ in optimizer.param_groups]
+def pieces_by_group(num_groups: int, states, group_of) -> list[list[torch.Tensor]]:
+    """This rank's piece tensors of ``states``, per param group, in bucket order (``group_of(p)``: ``p``'s group)."""
+    per_group = [[] for _ in range(num_groups)]
     for st in states:
         for pc, t in zip(st.layout.pieces, st.layout.tensors):
             per_group[group_of(st.params[pc.slot])].append(t)
-    for group, params in zip(optimizer.param_groups, per_group):
+    return per_group
+
+
+def install(optimizer, states, group_of) -> None:
+    """Point every param group at this rank's piece tensors of that group, in bucket order.
+
+    A group may be empty on a rank whose slices hold none of its elements; the groups stay, in
+    order, so schedulers and per-group settings line up on every rank.
+    """
+    for group, params in zip(optimizer.param_groups, pieces_by_group(len(optimizer.param_groups), states, group_of)):
         group["params"] = params
 
 

@@ -166,10 +166,10 @@ def carry_over(optimizer, old_states, new_states, group, world_size: int) -> Non
             for new, pc, _ in new_pieces.get(id(p), []):
                 new.grad[pc.start:pc.end] = grads[o + pc.param_start:o + pc.param_end]
         del grads
-        for pid, whole in _whole_of_bucket(optimizer, st, keys, group, world_size).items():
-            p = next(q for q in sh.params if id(q) == pid)
-            for _, pc, t in new_pieces.get(pid, []):
-                optimizer.state[t] = _cut(whole, p, pc)
+        wholes = _whole_of_bucket(optimizer, st, keys, group, world_size)
+        for p in sh.params:
+            for _, pc, t in new_pieces.get(id(p), []) if id(p) in wholes else ():
+                optimizer.state[t] = _cut(wholes[id(p)], p, pc)
         for t in sh.tensors:
             optimizer.state.pop(t, None)
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import collectives, faults, shard_optim, shard_state
 from .bucket_state import BucketState, Phase
 from .param_waits import ForwardWaits
-from .reduction import Reduction, Wiring, _check_dense
+from .reduction import Reduction, Wiring, check_dense
 from .shard_layout import BucketShard
 
 
@@ -62,6 +62,7 @@ class ShardedReduction(Reduction):
         self._handles: list = []
         self.closed = False   # after close(): a second train() re-cuts the optimizer it sharded
         self._stepped_groups = None   # the param groups, while a pipelined step left them empty
+        self._bucket_groups: list = []   # per bucket: its pieces per param group (`_install`)
 
     @property
     def attached(self) -> bool:
@@ -85,7 +86,7 @@ class ShardedReduction(Reduction):
             self._build()
             if previous is not None:   # collectives: gradient slices and optimizer state move along
                 shard_state.carry_over(self.optimizer, previous, states, self.wiring.group, self.wiring.world_size)
-            shard_optim.install(self.optimizer, states, self._group)
+            self._install()
             for st in states:
                 st.layout.set_grads()
 
@@ -105,7 +106,7 @@ class ShardedReduction(Reduction):
         """
         self.optimizer, self.group_of = optimizer, group_of
         self._build()
-        shard_optim.install(optimizer, self.states, self._group)
+        self._install()
         w = self.wiring
         self._handles += [
             optimizer.register_step_pre_hook(self._before_step),
@@ -130,6 +131,12 @@ class ShardedReduction(Reduction):
 
     def _group(self, p) -> int:
         return self.group_of[self._index[id(p)]]
+
+    def _install(self) -> None:
+        """The optimizer's groups on this rank's pieces, and each bucket's share of them (the pipelined step's)."""
+        shard_optim.install(self.optimizer, self.states, self._group)
+        n = len(self.optimizer.param_groups)
+        self._bucket_groups = [shard_optim.pieces_by_group(n, [st], self._group) for st in self.states]
 
     def refresh(self) -> None:
         """The parameters were replaced (``load_state_dict``): take this rank's slices from them again."""
@@ -172,7 +179,7 @@ class ShardedReduction(Reduction):
             if grad is None:
                 dst.zero_()
                 continue
-            _check_dense(grad, st, slot)
+            check_dense(grad, st, slot)
             torch.div(grad, n, out=dst)
             # The buffer holds it now, and the mean comes back as the pieces' .grad; the model's own
             # .grad would otherwise keep accumulating and hold a second copy of every gradient.
@@ -227,7 +234,8 @@ class ShardedReduction(Reduction):
                     has[i] = 1
         both = torch.stack([squares, has])
         dist.all_reduce(both, group=self.wiring.group)
-        return {n: both[0, i].sqrt().to(self.wiring.hooked[i][1].dtype) for i, n in enumerate(names) if both[1, i] > 0}
+        has_any = both[1].tolist()   # one host read, not one per parameter
+        return {n: both[0, i].sqrt().to(self.wiring.hooked[i][1].dtype) for i, n in enumerate(names) if has_any[i] > 0}
 
     @torch.no_grad()
     def gather_gradients(self) -> None:
@@ -279,11 +287,10 @@ class ShardedReduction(Reduction):
             return
         groups = [g["params"] for g in optimizer.param_groups]
         try:
-            for st in reversed(self.states):
+            for st, split in zip(reversed(self.states), reversed(self._bucket_groups)):
                 self.wait_bucket(st)   # two steps without a forward between them
-                for g, group in enumerate(optimizer.param_groups):
-                    group["params"] = [t for pc, t in zip(st.layout.pieces, st.layout.tensors)
-                                       if self._group(st.params[pc.slot]) == g]
+                for group, params in zip(optimizer.param_groups, split):
+                    group["params"] = params
                 step(optimizer)
                 self._launch_gather(st)
         except BaseException:
