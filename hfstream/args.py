@@ -39,6 +39,7 @@ from transformers import TrainingArguments
 
 from .field_defaults import check_field_defaults
 from .gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, STREAM_PRIORITIES, comm_dtype_name
+from .log import notice
 
 GRAD_SYNC_MODES = ("auto", "overlap", "serial", "sharded", "native")
 
@@ -120,8 +121,8 @@ class StreamTrainingArguments(TrainingArguments):
         check_field_defaults(type(self), StreamTrainingArguments)   # another subclass's defaults must survive
         self._validate_stream_fields()
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
-            logger.info("hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
-                        "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])
+            notice(logger, "hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
+                           "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])
             self.use_cpu = True
         if self.grad_sync == "sharded" and self.fp16:
             raise ValueError(

@@ -12,6 +12,8 @@ import logging
 
 from accelerate.utils import DistributedType
 
+from .log import notice
+
 logger = logging.getLogger(__name__)
 
 # Plain data parallel: one full replica per process, gradients averaged by an all-reduce.
@@ -35,7 +37,7 @@ def model_is_sharded(model, loaded_distributed: bool) -> bool:
 
 
 def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
-    """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (logged once).
+    """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (said once, see `notice`).
 
     Raises:
         ValueError: an hfstream mode asked for where FSDP, DeepSpeed or tensor parallelism owns
@@ -51,6 +53,10 @@ def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
             f"grad_sync={requested!r} needs plain data parallel, but {owner}: FSDP, DeepSpeed and tensor "
             "parallelism own gradient communication. Use grad_sync='native'.")
     if requested != "auto":
+        if requested in HFSTREAM_MODES and accelerator.num_processes == 1:
+            notice(logger, "hfstream: grad_sync=%r on one process: there is nothing to synchronise, so no gradient "
+                   "is communicated (prefetching and the step report still apply); it takes effect under "
+                   "`accelerate launch` with several processes", requested)
         return requested
     multi = accelerator.num_processes > 1
     if multi and (args.uses_sharded_engine() or sharded_model):
@@ -60,7 +66,7 @@ def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
     mode = "overlap" if plain_dp and multi and args.n_gpu <= 1 else "native"
     reason = ("plain multi-process data parallel" if mode == "overlap"
               else f"distributed type {engine}, {accelerator.num_processes} process(es)")
-    logger.info("hfstream: grad_sync='auto' resolved to %r (%s)", mode, reason)
+    notice(logger, "hfstream: grad_sync='auto' resolved to %r (%s)", mode, reason)
     return mode
 
 

@@ -38,7 +38,7 @@ from .args import StreamTrainingArguments
 from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
 from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_sharded, resolve_grad_sync
-from .log import show_hfstream_logs
+from .log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
 from .timeline import FIELDS, StepTimeline, StreamReport, combine_ranks
 
@@ -215,8 +215,8 @@ class StreamTrainerMixin:
             if self.grad_sync_mode == "sharded":
                 self._shard_optimizer()
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
-                logger.info("hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
-                            self.args.ddp_bucket_cap_mb)
+                notice(logger, "hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
+                               self.args.ddp_bucket_cap_mb)
         if training and self._timeline is not None and self._forward_hook is None:
             self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(self._forward_done)
         return super()._wrap_model(model, training=training, dataloader=dataloader)

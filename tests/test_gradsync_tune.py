@@ -183,9 +183,11 @@ def test_tuning_ends_after_a_bounded_number_of_synchronised_steps(tuned):
             assert all(r["bucket_mb"] == chosen and r["buckets"] == num_buckets for r in res["per_step"][steps - 1:])
             # Every candidate tried was really used: the number of collectives followed the plan.
             assert len({r["collectives"] for r in res["per_step"][:steps]}) == len(tried), config
-            assert sum("bucket_mb='auto' chose" in m for m in res["logs"]) == 1
-            log = next(m for m in res["logs"] if "chose" in m)
-            assert f"chose {chosen:g} MiB" in log and all(f"{c:g} MiB:" in log for c in tried)
+            # The choice is the same on every rank: rank 0 says it, once.
+            assert sum("bucket_mb='auto' chose" in m for m in res["logs"]) == (rank == 0)
+            if rank == 0:
+                log = next(m for m in res["logs"] if "chose" in m)
+                assert f"chose {chosen:g} MiB" in log and all(f"{c:g} MiB:" in log for c in tried)
 
 
 @pytest.mark.multiprocess

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .. import streams
+from ..log import notice
 
 logger = logging.getLogger(__name__)
 
@@ -174,9 +175,9 @@ def distinct_candidates(plan_for: Callable[[float], list], candidates_mb: Sequen
 
 def log_choice(result: TuningResult) -> None:
     scores = ", ".join(f"{c:g} MiB: {s:.1f} ms" for c, s in result.scores_ms.items())
-    logger.info("GradSync: bucket_mb='auto' chose %g MiB (%d buckets) after %d synchronised steps; score per cap "
-                "(first gradient hook to end of finish(), best step, slowest rank): %s",
-                result.bucket_mb, result.num_buckets, result.steps, scores)
+    notice(logger, "GradSync: bucket_mb='auto' chose %g MiB (%d buckets) after %d synchronised steps; score per cap "
+                   "(first gradient hook to end of finish(), best step, slowest rank): %s",
+                   result.bucket_mb, result.num_buckets, result.steps, scores)
 
 
 class AutoBucketCap:
