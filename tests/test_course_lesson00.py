@@ -198,6 +198,21 @@ def test_prediction_mistakes_are_named_against_the_measurement(canned, serial, o
     assert "max(data, forward" not in message
 
 
+@pytest.mark.parametrize("serial, overlapped, words, where", [
+    ("data_ms + forward_ms + backward_ms + comm_ms", "max(data_ms, forward_ms + max(backward_ms, comm_ms))",
+     "you left out the optimizer step", "within the tolerance"),
+    ("data_ms + backward_ms + comm_ms + optimizer_ms", "max(data_ms, max(backward_ms, comm_ms) + optimizer_ms)",
+     "you left out the forward", "measured"),
+], ids=["no-optimizer", "no-forward"])
+def test_a_part_the_tolerance_would_hide_is_named_in_every_case(canned, serial, overlapped, words, where):
+    # 5 ms of optimizer (or 20 of forward) sit inside 15 % + 2 ms of these steps: the measured
+    # comparison alone passes them; every case must still fail and name the part left out.
+    results = predict(serial, overlapped)
+    for r in results:
+        assert not r.passed and words in r.message and where in r.message, r.message
+        assert r.reveal == "" and "max(data, forward" not in r.message
+
+
 def test_a_prediction_within_the_tolerance_passes_and_says_both_numbers(canned):
     results = predict()
     assert all(r.passed for r in results), [r.message for r in results]

@@ -154,6 +154,17 @@ def test_min_link_without_latency_is_caught():
     assert not results[1].reveal and lesson09.REVEAL_MIN_LINK not in results[1].message
 
 
+def test_min_link_without_the_inf_guard_is_caught():
+    # Without `if left <= 0: return math.inf` the bandwidth comes out negative once the latency
+    # terms alone outlast backward (llama-8b's 194 buckets at N = 4096).
+    unguarded = RIGHT_MIN.format(latency=LAT_ALL).replace("    if left <= 0:\n        return math.inf\n", "")
+    assert "math.inf" not in unguarded
+    results = crossover(min_link=unguarded)
+    assert results[0].passed and not results[1].passed
+    assert "N=4096" in results[1].message and "negative bandwidth" in results[1].message, results[1].message
+    assert not results[1].reveal and lesson09.REVEAL_MIN_LINK not in results[1].message
+
+
 def test_the_right_crossover_and_bandwidth_pass():
     results = crossover()
     assert all(r.passed for r in results), [r.message for r in results]
@@ -194,7 +205,10 @@ def test_planner_schedule_mistakes_are_named_without_the_code(schedule, words, m
     results = challenge(GOOD_CONFIG, schedule=schedule)
     assert not results[0].passed and words in results[0].message, results[0].message
     assert not results[0].reveal and "max(ready * backward_ms" not in results[0].message
-    assert results[1].passed and results[2].passed     # the graded run does not depend on the planner
+    assert results[1].passed
+    # The graded run depends on the planner that chose its cap: a wrong schedule fails it too.
+    assert not results[2].passed and "fix the case above first (\"your overlapped step matches the planner" \
+        in results[2].message, results[2].message
 
 
 def test_the_right_schedule_passes_as_the_planner():

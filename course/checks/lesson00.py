@@ -432,6 +432,55 @@ REVEAL_PREDICT = {"serial": "serial: data + forward + backward + comm + optimize
                   "overlapped": "overlapped: max(data, forward + max(backward, comm) + optimizer)"}
 
 
+# Why each part of a step is on its critical path in both schedules: when one part takes much
+# longer than all the others together, the step takes that much longer (the course's timeline).
+PARTS = ("data_ms", "forward_ms", "backward_ms", "comm_ms", "optimizer_ms")
+PART_IGNORED = {
+    "data_ms": "you left out the data: a batch has to exist before its forward, produced by the step itself "
+               "(serial) or by the producer thread, which the step waits for once producing takes longer than "
+               "computing",
+    "forward_ms": "you left out the forward: it runs in every step, before backward, and nothing runs beside it",
+    "backward_ms": "you left out backward: it is compute, it takes its time whether or not a reduction runs "
+                   "beside it",
+    "comm_ms": "you left out the reduction: the optimizer needs the averaged gradients, so it waits for the "
+               "reduction however long the link takes",
+    "optimizer_ms": "you left out the optimizer step: it runs in every step, after backward and the reduction, "
+                    "and the next step's forward waits for the parameters it updates",
+}
+
+
+def _call_predict(learner, schedule: str, parts) -> float:
+    try:
+        got = learner.predict_step_ms(schedule, *parts)
+    except Exception as e:
+        raise Wrong(f"predict_step_ms({schedule!r}, ...) raised {type(e).__name__}: {e}; it takes the "
+                    f"schedule's name and five times in ms, and returns a time in ms") from None
+    if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
+        raise Wrong(f"predict_step_ms({schedule!r}, ...) returned {got!r}; return the step time in ms")
+    return float(got)
+
+
+def _probe_parts(learner, name: str, schedule: str, parts) -> None:
+    """Each part, made far longer than all the others, must lengthen the predicted step by as much:
+    a part the prediction ignores can hide inside the tolerance of a measured step (a 3 ms optimizer
+    inside 15 % + 2 ms), but not here."""
+    base = _call_predict(learner, schedule, parts)
+    grow = 100.0 * (sum(parts) + 1.0)
+    for k, part in enumerate(PARTS):
+        longer = list(parts)
+        longer[k] += grow
+        want = _right(schedule, *longer) - _right(schedule, *parts)
+        got = _call_predict(learner, schedule, longer) - base
+        if abs(got - want) <= 0.05 * grow:
+            continue
+        where = (f"{name}; but with {part} {grow:.0f} ms longer, the step takes about {want:.0f} ms longer and "
+                 f"your prediction grew by {got:.0f} ms")
+        if abs(got) <= 0.05 * grow:
+            raise Wrong(f"{where}. {PART_IGNORED[part]}", reveal=REVEAL_PREDICT[schedule])
+        raise Wrong(f"{where}: you count {part} about {got / grow:.0f} times, the step only once",
+                    reveal=REVEAL_PREDICT[schedule])
+
+
 def _grade_scenario(learner, name: str) -> str:
     run = LAST_SCHEDULES.get("scenarios", {}).get(name)
     if run is None:
@@ -440,14 +489,7 @@ def _grade_scenario(learner, name: str) -> str:
 
     def predict(steps):
         f, b, o = (_mean(steps, k) for k in ("forward_ms", "backward_ms", "optimizer_ms"))
-        try:
-            got = learner.predict_step_ms(schedule, d, f, b, c, o)
-        except Exception as e:
-            raise Wrong(f"predict_step_ms({schedule!r}, ...) raised {type(e).__name__}: {e}; it takes the "
-                        f"schedule's name and five times in ms, and returns a time in ms") from None
-        if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isfinite(got):
-            raise Wrong(f"predict_step_ms({schedule!r}, ...) returned {got!r}; return the step time in ms")
-        return float(got), (f, b, o)
+        return _call_predict(learner, schedule, (d, f, b, c, o)), (f, b, o)
 
     got, (f, b, o) = predict(run["steps"])
     measured = run["step_ms"]
@@ -463,11 +505,14 @@ def _grade_scenario(learner, name: str) -> str:
             for value, why in _alternatives(schedule, d, f, b, c, o):
                 if math.isclose(got, value, rel_tol=1e-9, abs_tol=1e-9):
                     raise Wrong(f"{where}. {why}", reveal=REVEAL_PREDICT[schedule])
+            _probe_parts(learner, where, schedule, (d, f, b, c, o))     # a part left out, by name
             right = _right(schedule, d, f, b, c, o)
             if math.isclose(got, right, rel_tol=1e-9):
                 raise AssertionError(f"{where}: your prediction is the course's, but this machine was too busy "
                                      f"for the measurement to agree twice; run the measurement cell again")
             raise AssertionError(where)
+    _probe_parts(learner, f"{name} (predicted {got:.0f} ms, measured {measured:.0f} ms: within the tolerance)",
+                 schedule, (d, f, b, c, o))
     return f"predicted {got:.0f} ms, measured {measured:.0f} ms"
 
 

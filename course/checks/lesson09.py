@@ -509,15 +509,18 @@ def _(learner):
         raise Wrong(f"one device needs no link at all: return 0 for world_size 1 (you returned {got1})",
                     reveal=REVEAL_MIN_LINK)
     details = []
-    for n in (8, 64, 512):
+    for n in (8, 64, 512, 4096):        # at 4096 the latency terms alone outlast backward
         got = learner.min_link_gbs(n, bwd, list(sizes), cfg.latency_us)
         lat_ms = 2 * (n - 1) * cfg.latency_us * 1e-3 * len(sizes)
         if lat_ms >= bwd:
             if got == math.inf:
                 details.append(f"N={n}: none")
                 continue
-            raise Wrong(f"at N={n} the latency terms alone take {lat_ms:.0f} ms, more than backward ({bwd:.0f} ms): "
-                        f"no bandwidth is enough, return math.inf (you returned {got})", reveal=REVEAL_MIN_LINK)
+            what = ("a negative bandwidth: the time left for the bytes is below zero" if isinstance(got, (int, float))
+                    and got < 0 else f"{got!r}")
+            raise Wrong(f"at N={n} the latency terms alone take {lat_ms:.0f} ms, more than backward ({bwd:.0f} ms), "
+                        f"and you returned {what}. No bandwidth is fast enough there: the exercise asks for "
+                        f"math.inf in that case", reveal=REVEAL_MIN_LINK)
         if not isinstance(got, (int, float)) or not got > 0:
             raise Wrong(f"min_link_gbs should return a bandwidth > 0 in GB/s, got {got!r} at N={n}",
                         reveal=REVEAL_MIN_LINK)
@@ -690,7 +693,8 @@ def _measure(cfg: dict, seed: int = 0) -> dict:
 
 @challenge.case(f"measured on 2 ranks over the slow link: ceiling / step >= {THRESHOLD:.2f}",
                 hint="every part of the step the lab times must be as short as it can be: ask your planner which "
-                     "cap, and remember what lessons 03 and 05 hid", after=CONFIG_CASE, timeout=200.0,
+                     "cap, and remember what lessons 03 and 05 hid",
+                after=["your overlapped step matches the planner's schedule", CONFIG_CASE], timeout=200.0,
                 reveal=REVEAL_RUN)
 def _(learner):
     cfg = learner.final_run_config()
