@@ -22,6 +22,7 @@ stepped) has no entry, as in the unsharded optimizer.
 
 from __future__ import annotations
 
+import pickle
 import weakref
 
 import torch
@@ -54,9 +55,11 @@ def _kind(key, value, shape) -> str:
 
 
 def _agree_on_keys(optimizer, states, group, world_size) -> tuple[dict, dict, dict]:
-    """The state keys of every rank: per element ({param dtype: state dtype}), per parameter (dtype), constants.
+    """The state keys of every rank: per element ({param dtype: state dtype}), per parameter, constants.
 
-    A collective: a rank may hold no state at all (all its slices are padding).
+    Per-parameter keys map to ``(dtype, on_cpu)``: where such a value lives is said as "the host"
+    or "the bucket's device", never as another rank's device string (rank 1's ``cuda:1`` means
+    nothing on rank 0). A collective: a rank may hold no state at all (all its slices are padding).
     """
     element, param, constant = {}, {}, {}
     for st in states:
@@ -66,11 +69,13 @@ def _agree_on_keys(optimizer, states, group, world_size) -> tuple[dict, dict, di
                 if kind == "element":
                     element.setdefault(k, {})[t.dtype] = v.dtype
                 elif kind == "param":
-                    param.setdefault(k, (v.dtype, str(v.device)))
+                    param.setdefault(k, (v.dtype, v.device.type == "cpu"))
                 else:
                     constant.setdefault(k, v)
-    views = [None] * world_size
-    dist.all_gather_object(views, (element, param, constant), group=group)
+    if not states:   # the plan is the same on every rank: no rank has a bucket, nothing to agree on
+        return element, param, constant
+    mine = (element, param, {k: v.cpu() if torch.is_tensor(v) else v for k, v in constant.items()})
+    views = _all_gather_objects(mine, group, world_size, states[0].layout.master.device)
     for e, p, c in views:
         for k, dtypes in e.items():
             element[k] = {**dtypes, **element.get(k, {})}
@@ -79,6 +84,29 @@ def _agree_on_keys(optimizer, states, group, world_size) -> tuple[dict, dict, di
         for k, v in c.items():
             constant.setdefault(k, v)
     return element, param, constant
+
+
+def _all_gather_objects(obj, group, world_size: int, device: torch.device) -> list:
+    """Every rank's picklable ``obj``, in rank order, exchanged as bytes on ``device`` (a collective).
+
+    Not ``dist.all_gather_object``: on NCCL it stages the bytes on the *current* CUDA device
+    (torch's docs leave ``torch.cuda.set_device`` to the user; the installed torch's version
+    takes no device), so a script that never sets it would put every rank's tensors on GPU 0
+    and NCCL fails. Here they go on the buckets' device, where every other collective of the
+    group runs.
+    """
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    sizes = torch.empty(world_size, dtype=torch.int64, device=device)
+    collectives.launch_all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device),
+                                  group).wait()
+    lengths = sizes.tolist()
+    longest = max(lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[:data.numel()] = data
+    every = torch.empty(longest * world_size, dtype=torch.uint8, device=device)
+    collectives.launch_all_gather(every, padded, group).wait()
+    rows = every.view(world_size, longest).cpu()
+    return [pickle.loads(rows[r, :n].numpy().tobytes()) for r, n in enumerate(lengths)]
 
 
 def _gathered(sh, local, group, world_size) -> torch.Tensor:
@@ -127,9 +155,10 @@ def _whole_of_bucket(optimizer, st, keys, group, world_size, device=None) -> dic
                 out[id(p)][key] = (piece.to(device) if device else piece).clone()
     for slot, p in enumerate(sh.params):
         if id(p) in out:
-            for key, (dtype, where) in param.items():
+            for key, (dtype, on_cpu) in param.items():
                 if values[key][slot] != -float("inf"):
-                    out[id(p)][key] = torch.tensor(values[key][slot], dtype=dtype, device=device or where)
+                    where = device or ("cpu" if on_cpu else sh.master.device)
+                    out[id(p)][key] = torch.tensor(values[key][slot], dtype=dtype, device=where)
             for key, v in constant.items():
                 out[id(p)].setdefault(key, v.clone() if torch.is_tensor(v) else v)
     return out
