@@ -245,6 +245,31 @@ def test_copying_without_waiting_is_named():
     assert "values that never arrived" in messages[0] and "fix the case above first" in messages[1], messages
 
 
+def test_copying_before_the_wait_is_named():
+    early = WAIT_FOR.replace("        work.wait()\n        with torch.no_grad():\n"
+                             "            for p, v in zip(self.layers[i].parameters(recurse=False), self.views[i]):\n"
+                             "                p.copy_(v)\n",
+                             "        with torch.no_grad():\n"
+                             "            for p, v in zip(self.layers[i].parameters(recurse=False), self.views[i]):\n"
+                             "                p.copy_(v)\n        work.wait()\n")
+    assert early != WAIT_FOR
+    messages = _messages("10.gather_hook", GATHER_HEAD + LAUNCH + early)
+    assert "you read the buffer before waiting" in messages[0] and "fix the case above first" in messages[1], messages
+
+
+@pytest.mark.parametrize("size, words", [
+    ("sum(p.numel() for p in params) // n", "belong to no rank and no gather ever brings them"),
+    ("sum(p.numel() for p in params)", "the whole layer"),
+], ids=["floor", "unsharded"])
+def test_slices_that_do_not_cover_the_layer_are_named(size, words):
+    head = GATHER_HEAD.replace("size = -(-sum(p.numel() for p in params) // n)", f"size = {size}")
+    assert head != GATHER_HEAD
+    messages = _messages("10.gather_hook", head.replace("full = torch.zeros(size * n)",
+                                                        "full = torch.zeros(max(size * n, 10**4))") + LAUNCH + WAIT_FOR)
+    assert len(messages) == 3 and words in messages[0], messages
+    assert all("fix the case above first" in m for m in messages[1:]), messages
+
+
 def test_launching_inside_the_forward_is_named():
     lazy = """
     def launch(self):

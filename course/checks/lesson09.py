@@ -3,7 +3,7 @@ final challenge, a real 2-rank run over a slow link graded on its measured dista
 
 The lab (`run_lab`) is what the lesson measures and what 09.final_challenge grades: two gloo
 ranks train the same MLP on the same slow data source over a simulated link
-(`hfstream.tools.bench.link.SimulatedLink`), once per configuration, the configurations interleaved step
+(`hfstream.tools.link.SimulatedLink`), once per configuration, the configurations interleaved step
 by step so that a slow second of a shared machine hits all of them alike. The link and the data
 source follow this machine's compute (each run's recent backward), so the regime is the same on a
 fast laptop and a loaded CI box: all-reducing the gradients in one piece takes 1.2 x backward
@@ -177,7 +177,7 @@ def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int, s
     import torch
     import torch.distributed as dist
 
-    from hfstream.tools.bench.link import SimulatedLink
+    from hfstream.tools.link import SimulatedLink
 
     torch.manual_seed(0)
     calibration = _calibrate(lab)

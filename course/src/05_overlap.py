@@ -249,7 +249,7 @@ check("05.finish")
 #    no wire: gloo's all-reduce is memory copies and additions done by gloo's own threads on the
 #    same CPU cores that run backward. What it costs is CPU time, not link time.
 # 2. **Over a simulated link**, to see what overlap does when the link, not the CPU, is the
-#    bottleneck: hfstream's `hfstream.tools.bench.link.SimulatedLink` (docs/design.md section 5)
+#    bottleneck: hfstream's `hfstream.tools.link.SimulatedLink` (docs/design.md section 5)
 #    replaces `dist.all_reduce` by a function that launches the same real gloo reduction and
 #    returns a `Work` that completes no earlier than `latency + 2(N-1)/N x bytes / bandwidth` after
 #    launch (and after the previous transfer: the link carries one at a time). The delay is a

@@ -301,7 +301,7 @@ print(f"on this machine's loopback, reducing all {real['grad_bytes'] / 2**20:.2f
 #
 # ### A simulated slow link
 #
-# From here on the ranks talk through `hfstream.tools.bench.link.SimulatedLink`: the real gloo
+# From here on the ranks talk through `hfstream.tools.link.SimulatedLink`: the real gloo
 # all-reduce runs, and its completion is delayed until latency + 2(N-1)/N x bytes / rate after its
 # launch, one all-reduce at a time on the link, without blocking compute. So that the lab is in
 # the same regime on a fast laptop and a loaded shared box, the link and the data follow the

@@ -211,49 +211,48 @@ check("10.sharded_step")
 #
 # ## Exercise 10.gather_hook — one gather per layer, each waited for where it is needed
 #
-# `ParamGather(model)` has its buffers set up for you (read the docstring: `full[i]`, `mine[i]`,
-# `views[i]`, `works`, `handles`). Write:
+# Write `ParamGather(model)`, all of it. Its layers are the modules of `model` that own
+# parameters directly, in `model.modules()` order (the forward order of a sequential model). What
+# the rest of a sharded step relies on, and what the check uses:
 #
-# - the end of `__init__`: make every layer's forward start by making that layer current
-#   (`wait_for(i)`); keep what lets `close()` undo it in `self.handles`;
-# - `launch()`, called right after the optimizer step, when `mine[i]` holds this rank's updated
-#   slice of layer i: start every layer's all-gather (`dist.all_gather_single(output, input,
-#   async_op=True)` fills `output` with every rank's `input`, in rank order) in the order the
-#   forward will need them;
-# - `wait_for(i)`: if layer i's gather is in flight, wait for it and copy the gathered values into
-#   the layer's parameters; if nothing is in flight (a second forward, an evaluation), do nothing.
+# - `self.layers`: those modules;
+# - `self.mine[i]`: a 1-D tensor, **this rank's slice of layer i**. Flatten the layer's parameters
+#   one after the other (in `module.parameters(recurse=False)` order) and cut the result into N
+#   equal slices, slice `rank` being this rank's. The sharded step writes this rank's updated
+#   values into `mine[i]` (in place), then calls `launch()`. A layer's size need not divide by N
+#   (the check's first layer has 63 values on 2 ranks): decide what the slices hold then;
+# - `launch()`: start every layer's all-gather, asynchronously:
+#   `dist.all_gather_single(output, input, async_op=True)` fills `output` (N times the size of
+#   `input`) with every rank's `input`, in rank order, and returns a work to `wait()` on;
+# - `wait_for(i)`: make layer i current: if its gather is in flight, the layer's parameters must
+#   hold what it gathered before the layer runs; with nothing in flight (a second forward, an
+#   evaluation), do nothing;
+# - every layer's forward starts with `wait_for(i)`: `module.register_forward_pre_hook(fn)` runs
+#   `fn(module, args)` just before the module's forward; `close()` removes what you registered.
 #
-# The check runs 2 ranks through two steps and logs every launch, every wait and every layer's
-# start. A gather's output exists only once its work is waited for (as on a real process group,
-# where reading it earlier reads whatever is there).
+# Which buffers you keep (the gather's output, views into it, the works in flight) is yours to
+# lay out. The check runs 2 ranks through two steps and logs every launch, every wait and every
+# layer's start. A gather's output is only the result once its work is waited for (as on a real
+# process group, where reading it earlier reads whatever is there; the check's ranks leave NaN).
 
 # %%
 class ParamGather:
     """The all-gather after a sharded step, waited for layer by layer by the forward.
 
     Args:
-        model: every module of it that owns parameters directly is a "layer", in
-            ``model.modules()`` order (the forward order of a sequential model).
-
-    Attributes (set up here):
-        layers: those modules.
-        full[i]: N*S elements: layer i's parameters flattened one after the other (in
-            ``module.parameters()`` order), then zero padding. The gather fills it.
-        mine[i]: S elements: this rank's slice of full[i] (slice `rank`) after the optimizer
-            step; the sharded step writes it, the gather sends it.
-        views[i]: views into full[i] shaped like layer i's parameters, in the same order.
-        works[i]: layer i's gather in flight, or None.
-        handles: whatever `close()` must remove.
+        model: every module of it that owns parameters directly is a layer, in
+            ``model.modules()`` order.
     """
 
     def __init__(self, model):
         n, rank = dist.get_world_size(), dist.get_rank()
         self.layers = [m for m in model.modules() if list(m.parameters(recurse=False))]
+        # BEGIN SOLUTION
         self.full, self.mine, self.views = [], [], []
         for m in self.layers:
             params = list(m.parameters(recurse=False))
-            size = -(-sum(p.numel() for p in params) // n)        # S: ceil(numel / N)
-            full = torch.zeros(size * n)
+            size = -(-sum(p.numel() for p in params) // n)        # S = ceil(numel / N): N slices cover it
+            full = torch.zeros(size * n)                            # the gather's output; the tail is padding
             views, offset = [], 0
             for p in params:
                 views.append(full[offset:offset + p.numel()].view(p.shape))
@@ -262,10 +261,8 @@ class ParamGather:
             self.views.append(views)
             self.mine.append(full[rank * size:(rank + 1) * size].clone())
         self.works = [None] * len(self.layers)
-        self.handles = []
-        # BEGIN SOLUTION
-        for i, m in enumerate(self.layers):
-            self.handles.append(m.register_forward_pre_hook(lambda module, args, i=i: self.wait_for(i)))
+        self.handles = [m.register_forward_pre_hook(lambda module, args, i=i: self.wait_for(i))
+                        for i, m in enumerate(self.layers)]
         # END SOLUTION
 
     def launch(self):
@@ -276,7 +273,7 @@ class ParamGather:
         # END SOLUTION
 
     def wait_for(self, i):
-        """Make layer i current: wait for its gather if one is in flight, then copy the values in."""
+        """Make layer i current: its gather, if one is in flight, waited for and its values in the layer."""
         # BEGIN SOLUTION
         work, self.works[i] = self.works[i], None
         if work is None:
@@ -288,9 +285,12 @@ class ParamGather:
         # END SOLUTION
 
     def close(self):
+        """Remove what __init__ registered."""
+        # BEGIN SOLUTION
         for h in self.handles:
             h.remove()
         self.handles = []
+        # END SOLUTION
 
 # %%
 check("10.gather_hook")

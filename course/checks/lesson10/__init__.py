@@ -1,0 +1,22 @@
+"""Lesson 10 checks: a reduce-scatter built by hand, a sharded clipped step, the all-gather waited
+for by forward pre-hooks; and the measurements behind the lesson's figures. One module per concern:
+
+    threads.py         the thread ranks every exercise is graded on (a logging fake torch.distributed)
+    reduce_scatter.py  10.reduce_scatter
+    sharded_step.py    10.sharded_step
+    gather_hook.py     10.gather_hook
+    measure.py         the reduce-scatter and the three modes measured on real gloo ranks, their figures
+    trainer.py         StreamTrainer(grad_sync="sharded") on 2 processes; a profiler trace on a GPU
+
+The measurements use real gloo processes (`hfstream.testing.run_on_ranks`): on the bare loopback,
+and on `hfstream.tools.link.SimulatedLink`, which delays the completion of every all-reduce,
+all-to-all, all-gather and point-to-point transfer to what its bytes would take at a given bandwidth.
+"""
+
+from . import gather_hook, reduce_scatter, sharded_step  # noqa: F401  (registers the exercises)
+from .measure import measure_modes, measure_reduce_scatter, modes_figure, rs_figure, timeline_figure
+from .threads import ThreadWorld, in_threads
+from .trainer import profile_sharded_step, train_sharded
+
+__all__ = ["ThreadWorld", "in_threads", "measure_modes", "measure_reduce_scatter", "modes_figure",
+           "profile_sharded_step", "rs_figure", "timeline_figure", "train_sharded"]

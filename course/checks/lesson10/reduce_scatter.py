@@ -1,0 +1,140 @@
+"""10.reduce_scatter: a reduce-scatter built from all-to-all, checked on 2 and 4 thread ranks."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub
+
+from .threads import REFUSED, _close, _once, _unwaited, in_threads, raise_rank_error
+
+
+# =============================================================================================
+# 10.reduce_scatter
+# =============================================================================================
+rs_ex = Exercise("10.reduce_scatter", uses=["reduce_scatter_mean"], title="a reduce-scatter from all-to-all")
+
+RS_REFUSE = {name: REFUSED[name] for name in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor",
+                                              "reduce_scatter")}
+RS_SIZES = (3, 1000)       # elements per rank's slice
+RS_WORLDS = (2, 4)
+RS_HINT = ("every rank must end with the mean of the slice it owns: send each peer the slice that peer owns, add up "
+           "what the ranks send you for yours, and divide by N exactly once")
+RS_REVEAL = ("received = torch.empty_like(flat); dist.all_to_all_single(received, flat); "
+             "return received.view(N, -1).sum(0) / N   # N = dist.get_world_size()")
+
+
+def rs_input(rank: int, world_size: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s contribution: ``world_size * size`` values, different on every rank and in every slice."""
+    k = torch.arange(world_size * size, dtype=torch.float32)
+    return torch.sin(k * 0.37 + rank * 1.3) * (rank + 1) + 0.1 * (k // size) + 0.01 * rank
+
+
+def _rs_rank(rank, world_size, world, fn):
+    out = []
+    for size in RS_SIZES:
+        flat = rs_input(rank, world_size, size)
+        got = fn(flat)
+        out.append({"size": size, "got": None if got is None else torch.as_tensor(got).detach().clone(),
+                    "log": world.take(rank)})
+    return out
+
+
+def _rs_facts(learner) -> dict:
+    def compute():
+        facts = {}
+        for n in RS_WORLDS:
+            results, errors, world = in_threads(functools.partial(_rs_rank, fn=learner.reduce_scatter_mean), n,
+                                                refuse=RS_REFUSE)
+            if any(errors):
+                raise_rank_error(errors, world, RS_HINT, RS_REVEAL, where=f"{n} ranks: ")
+            facts[n] = results
+        return facts
+    return _once(learner, "10.reduce_scatter", compute)
+
+
+def _rs_diagnose(got: torch.Tensor | None, rank: int, n: int, size: int, log: list[dict]) -> str | None:
+    """None when ``got`` is this rank's mean slice; else what the learner's result is instead."""
+    inputs = [rs_input(r, n, size) for r in range(n)]
+    chunk = lambda r, j: inputs[r][j * size:(j + 1) * size]          # noqa: E731 (slice j of rank r)
+    total = sum(chunk(r, rank) for r in range(n))
+    if got is None:
+        return "reduce_scatter_mean returned None: return this rank's slice of the mean (a tensor of S elements)"
+    if _close(got, total / n):
+        return None
+    late = _unwaited(log)
+    if late:
+        return (f"you launched {late[0]['kind']} with async_op=True and never waited for it: its output is not "
+                f"there until work.wait() returns (or launch it without async_op)")
+    g = got.reshape(-1)
+    if g.numel() == n * size:
+        full_mean = sum(inputs) / n
+        if _close(g, full_mean):
+            return (f"you returned the whole mean ({n}*S elements): that is what an all-reduce leaves. A reduce-"
+                    f"scatter leaves each rank only its own slice: S elements, slice `rank`")
+        return (f"you returned {n}*S elements, the size of the input: return S elements, this rank's slice of the "
+                f"mean (the received chunks summed)")
+    if g.numel() != size:
+        return f"you returned {g.numel()} elements for S = {size}: return this rank's slice, S = flat.numel() // N"
+    if _close(g, total):
+        return "that is the sum over the ranks, not the mean: divide by the world size N (once)"
+    if _close(g, total / n / n):
+        return ("you averaged twice: the result is the mean divided by N again. Divide by N once, either each "
+                "contribution before the exchange or the sum after it, not both")
+    if _close(g, chunk(rank, rank)) or _close(g, chunk(rank, rank) / n):
+        return ("that is this rank's own slice, not reduced: add what every other rank sent for slice `rank` "
+                "to your own contribution")
+    for j in range(n):
+        if j != rank and (_close(g, sum(chunk(r, j) for r in range(n)) / n)):
+            return (f"rank {rank} holds the mean of slice {j}: rank r must end with slice r (elements r*S to "
+                    f"(r+1)*S), so send slice j to rank j, not the other way round")
+    if n == 2 and (_close(g, chunk(1 - rank, rank)) or _close(g, chunk(1 - rank, rank) / n)):
+        return ("that is only what the other rank sent: the mean needs your own contribution to slice `rank` "
+                "too")
+    return "the result is not this rank's slice of the mean"
+
+
+@rs_ex.case("each rank ends with the mean of its own slice (2 and 4 ranks, S = 3 and 1000)", hint=RS_HINT,
+            reveal=RS_REVEAL, timeout=60)
+def _(learner):
+    facts = _rs_facts(learner)
+    for n, results in facts.items():
+        for rank, per_size in enumerate(results):
+            for item in per_size:
+                why = _rs_diagnose(item["got"], rank, n, item["size"], item["log"])
+                if why:
+                    raise Wrong(f"{n} ranks, rank {rank}, S = {item['size']}: {why}", reveal=RS_REVEAL)
+    return "the mean slice on every rank"
+
+
+@rs_ex.case("it sends each peer only that peer's slice: (N-1)/N of the tensor, half an all-reduce's bytes",
+            hint="send rank j only slice j (S elements), not the whole tensor", timeout=60,
+            after="each rank ends with the mean of its own slice (2 and 4 ranks, S = 3 and 1000)")
+def _(learner):
+    facts = _rs_facts(learner)
+    for n, results in facts.items():
+        for rank, per_size in enumerate(results):
+            item = per_size[-1]
+            nbytes = n * item["size"] * 4
+            sent = sum(e["bytes"] for e in item["log"] if e["event"] == "launch")
+            want = (n - 1) / n * nbytes
+            if sent > 1.01 * want:
+                raise Wrong(f"{n} ranks: rank {rank} sent {sent / nbytes:.2f} x the tensor's bytes, a reduce-scatter "
+                            f"needs {want / nbytes:.2f} x: (N-1) slices of S elements, one to each peer. Sending "
+                            f"every peer the whole tensor costs N-1 times that; an all-reduce 2(N-1)/N",
+                            reveal="each peer j needs only flat[j*S:(j+1)*S]")
+            if sent < 0.99 * want:
+                raise AssertionError(f"{n} ranks: rank {rank} sent {sent:.0f} bytes, fewer than the "
+                                     f"{want:.0f} every peer's slice takes")
+    return "2 ranks: 0.50 x the tensor, 4 ranks: 0.75 x (an all-reduce: 1.00 x and 1.50 x)"
+
+
+def learner_reduce_scatter(namespace: dict) -> str | None:
+    """The learner's reduce_scatter_mean written to a file for gloo ranks; None while it is a stub."""
+    fn = namespace.get("reduce_scatter_mean")
+    if fn is None or is_stub(fn):
+        return None
+    return Learner(namespace, get_exercise("10.reduce_scatter")).module_file()
+

@@ -1,0 +1,179 @@
+"""10.sharded_step: a rank's clipped SGD step on the slice it owns, with the global norm."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from course.grading import Exercise, Wrong
+
+from .threads import _close, _once, in_threads, raise_rank_error
+
+
+# =============================================================================================
+# 10.sharded_step
+# =============================================================================================
+step_ex = Exercise("10.sharded_step", uses=["sharded_sgd_step"], title="a sharded, clipped optimizer step")
+
+STEP_SIZE = 5
+STEP_LR = 0.5
+STEP_WORLDS = (2, 4)
+STEP_NORMS = (1.0, 100.0)           # clipping active, then inactive (a coefficient above 1 would scale up)
+STEP_HINT = ("the whole gradient's norm from the ranks' pieces: each rank computes what it can from its own slice, "
+             "one collective combines them, and every rank ends with the same number")
+STEP_REVEAL = ("sq = (g.double() ** 2).sum().reshape(1); dist.all_reduce(sq); norm = sq.sqrt().item(); "
+               "coef = min(1.0, max_norm / (norm + 1e-6)); flat_params[mine].add_(g, alpha=-lr * coef)   "
+               "# g = grad_buffer[mine], mine = slice(rank * S, (rank + 1) * S)")
+
+
+def step_slices(world_size: int, size: int = STEP_SIZE) -> list[torch.Tensor]:
+    """The mean gradient's N slices: slice 0 is large (norm 4), the others small (norm 0.3): ranks disagree."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for j in range(world_size):
+        v = torch.randn(size, generator=g)
+        out.append(v / v.norm() * (4.0 if j == 0 else 0.3))
+    return out
+
+
+def step_inputs(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat_params, grad_buffer) on ``rank``: the parameters agree; the buffer holds the mean only in slice
+    ``rank``; elsewhere this rank's unreduced contributions (large, different per rank)."""
+    size = STEP_SIZE
+    params = torch.linspace(-1.0, 1.0, world_size * size)
+    buf = torch.full((world_size * size,), 5.0 + rank) * torch.cos(torch.arange(world_size * size, dtype=torch.float32))
+    buf[rank * size:(rank + 1) * size] = step_slices(world_size)[rank]
+    return params, buf
+
+
+def _step_rank(rank, world_size, world, fn):
+    out = []
+    for max_norm in STEP_NORMS:
+        params, buf = step_inputs(rank, world_size)
+        before = buf.clone()
+        norm = fn(params, buf, STEP_LR, max_norm)
+        out.append({"max_norm": max_norm, "norm": norm, "params": params.clone(), "log": world.take(rank),
+                    "buffer_changed_outside": not torch.equal(_outside(buf, rank, world_size),
+                                                              _outside(before, rank, world_size))})
+    return out
+
+
+def _outside(t: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    size = t.numel() // n
+    return torch.cat([t[:rank * size], t[(rank + 1) * size:]])
+
+
+def _step_facts(learner) -> dict:
+    def compute():
+        facts = {}
+        for n in STEP_WORLDS:
+            results, errors, world = in_threads(functools.partial(_step_rank, fn=learner.sharded_sgd_step), n)
+            if any(errors):
+                raise_rank_error(errors, world, STEP_HINT, STEP_REVEAL, where=f"{n} ranks: ")
+            facts[n] = results
+        return facts
+    return _once(learner, "10.sharded_step", compute)
+
+
+def _as_float(value, n, rank) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise Wrong(f"{n} ranks, rank {rank}: sharded_sgd_step returned a tensor of {value.numel()} elements: "
+                        f"return the total norm, one number (a float or a 1-element tensor)")
+        return float(value.item())
+    if isinstance(value, (int, float)):
+        return float(value)
+    raise Wrong(f"sharded_sgd_step returned {type(value).__name__}: return the total norm before clipping "
+                f"(a float), as torch.nn.utils.clip_grad_norm_ does")
+
+
+def _near(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
+
+
+@step_ex.case("it returns the whole gradient's 2-norm, the same number on every rank (2 and 4 ranks)",
+              hint=STEP_HINT, reveal=STEP_REVEAL, timeout=60)
+def _(learner):
+    facts = _step_facts(learner)
+    for n, results in facts.items():
+        slices = step_slices(n)
+        truth = math.sqrt(sum(float(s.double().pow(2).sum()) for s in slices))
+        local = [float(s.norm()) for s in slices]
+        for rank, runs in enumerate(results):
+            got = _as_float(runs[0]["norm"], n, rank)
+            if _near(got, truth):
+                continue
+            _, buf = step_inputs(rank, n)
+            if _near(got, local[rank]):
+                raise Wrong(f"{n} ranks: rank {rank} returned {got:.4f}, the norm of its own slice (the local "
+                            f"norm); the whole gradient's is {truth:.4f}. Clipped with the local norm, every rank "
+                            f"scales its slice by a different coefficient and the step is not the unsharded one: "
+                            f"combine the ranks' parts with one all-reduce", reveal=STEP_REVEAL)
+            if _near(got, float(buf.norm())):
+                raise Wrong(f"{n} ranks: rank {rank} took the norm of the whole buffer, slices it does not own "
+                            f"included: those hold this rank's own unreduced gradients, not the mean. Use slice "
+                            f"`rank` only, and combine the ranks' parts", reveal=STEP_REVEAL)
+            if _near(got, sum(local)):
+                raise Wrong(f"{n} ranks: {got:.4f} is the sum of the ranks' norms; norms do not add, squares do: "
+                            f"all-reduce the sum of squares and take the square root of the total",
+                            reveal=STEP_REVEAL)
+            if _near(got, truth ** 2):
+                raise Wrong(f"{n} ranks: {got:.4f} is the squared norm: take the square root of the all-reduced sum "
+                            f"of squares", reveal=STEP_REVEAL)
+            if _near(got, truth / n) or _near(got, math.sqrt(truth ** 2 / n)):
+                raise Wrong(f"{n} ranks: {got:.4f} is the norm divided by N (or the mean of the squares): the slices "
+                            f"are disjoint pieces of one gradient, so their squares add up, with no averaging",
+                            reveal=STEP_REVEAL)
+            raise AssertionError(f"{n} ranks: rank {rank} returned {got:.4f}, the whole gradient's norm is "
+                                 f"{truth:.4f}")
+    return "the global norm on every rank"
+
+
+@step_ex.case("each rank steps only its own slice, by -lr x the gradient clipped with the global norm",
+              hint=("clip as clip_grad_norm_ does, with the same coefficient on every rank; change only the slice "
+                    "this rank owns"), reveal=STEP_REVEAL, timeout=60,
+              after="it returns the whole gradient's 2-norm, the same number on every rank (2 and 4 ranks)")
+def _(learner):
+    facts = _step_facts(learner)
+    for n, results in facts.items():
+        slices = step_slices(n)
+        truth = math.sqrt(sum(float(s.double().pow(2).sum()) for s in slices))
+        size = STEP_SIZE
+        for rank, runs in enumerate(results):
+            for run in runs:
+                start, _ = step_inputs(rank, n)
+                got = run["params"]
+                mine = slice(rank * size, (rank + 1) * size)
+                if not torch.equal(_outside(got, rank, n), _outside(start, rank, n)):
+                    raise Wrong(f"{n} ranks: rank {rank} changed slices it does not own. Each rank steps only its "
+                                f"own 1/N: that is why the step costs optimizer/N, and with AdamW why it keeps only "
+                                f"1/N of the state. The owners step the other slices; the all-gather brings them "
+                                f"(next exercise)", reveal=STEP_REVEAL)
+                g, p0, mx = slices[rank], start[mine], run["max_norm"]
+                coef = min(1.0, mx / (truth + 1e-6))
+                if _close(got[mine], p0 - STEP_LR * coef * g, rtol=1e-4):
+                    continue
+                raw = mx / (truth + 1e-6)
+                local = min(1.0, mx / (float(g.norm()) + 1e-6))
+                if _close(got[mine], p0 - STEP_LR * local * g, rtol=1e-4):
+                    raise Wrong(f"{n} ranks: rank {rank} clipped with the local norm (its slice's, "
+                                f"{float(g.norm()):.3f}) instead of the global one ({truth:.3f}) it returned: "
+                                f"every rank must scale by the same coefficient", reveal=STEP_REVEAL)
+                if raw > 1 and _close(got[mine], p0 - STEP_LR * raw * g, rtol=1e-4):
+                    raise Wrong(f"max_norm={mx:g}, norm {truth:.2f}: you scaled the gradient *up* by "
+                                f"{raw:.1f}. Clipping only shrinks: the coefficient is min(1, max_norm / "
+                                f"(norm + 1e-6))", reveal=STEP_REVEAL)
+                if coef < 1 and _close(got[mine], p0 - STEP_LR * g, rtol=1e-4):
+                    raise Wrong(f"max_norm={mx:g}, norm {truth:.2f}: the step is not clipped: scale the gradient "
+                                f"by max_norm / (norm + 1e-6) when the norm exceeds max_norm", reveal=STEP_REVEAL)
+                if _close(got[mine], p0 + STEP_LR * coef * g, rtol=1e-4):
+                    raise Wrong("the step went uphill: SGD subtracts lr x gradient", reveal=STEP_REVEAL)
+                if _close(got[mine], p0):
+                    raise Wrong(f"{n} ranks: rank {rank}'s own slice did not change: update flat_params in place "
+                                f"(its slice is a view: flat_params[a:b].add_(...))", reveal=STEP_REVEAL)
+                raise AssertionError(f"{n} ranks, rank {rank}, max_norm={mx:g}: the slice after the step differs from "
+                                     f"-lr x the clipped gradient")
+    return "2 and 4 ranks, clipping active and inactive"
+
