@@ -174,11 +174,7 @@ class AllReduce(Reduction):
             torch.div(grad, world_size, out=dst)
             if st.used[slot] and as_view[slot]:
                 p.grad = dst   # the buffer holds it now; the separate gradient is freed
-        flags = st.buffer[st.plan.numel:]
-        if all(st.used):
-            flags.fill_(1)
-        else:
-            flags.copy_(torch.tensor([float(u) for u in st.used], dtype=flags.dtype))
+        write_used_flags(st.buffer[st.plan.numel:], st.used)
 
     def launch(self, st: BucketState):
         return dist.all_reduce(st.buffer, op=dist.ReduceOp.SUM, group=self.wiring.group, async_op=True)
@@ -205,6 +201,23 @@ class AllReduce(Reduction):
             means.append(mean)
         if grads:
             torch._foreach_copy_(grads, means)   # one fused copy per bucket; casts back from a compressed wire
+
+
+def write_used_flags(flags: torch.Tensor, used: list[bool]) -> None:
+    """Each parameter's "used here" flag (1 or 0) into the tail of its bucket's buffer, without a host wait.
+
+    On an accelerator the flags come from pinned host memory with ``non_blocking=True``: a copy
+    from pageable memory is synchronous, so every bucket with a parameter unused on this rank
+    would make the host wait for the stream. The pinned block comes from the caching host
+    allocator, which does not hand it out again until the copy has completed (PyTorch docs:
+    "CUDA semantics", pinned memory buffers).
+    """
+    if all(used):
+        flags.fill_(1)
+        return
+    on_device = streams.is_accelerator(flags.device)
+    host = torch.tensor([float(u) for u in used], dtype=flags.dtype, pin_memory=on_device)
+    flags.copy_(host, non_blocking=on_device)
 
 
 def check_dense(grad: torch.Tensor, st: BucketState, slot: int) -> None:
