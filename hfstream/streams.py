@@ -14,6 +14,7 @@ Used by ``StreamPrefetcher`` (side stream for host-to-device copies) and, later,
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Union
 
 import torch
@@ -27,11 +28,26 @@ PRIORITIES = {"normal": 0, "high": -1}
 
 
 def default_device() -> torch.device:
-    """The current accelerator with its index (e.g. ``cuda:0``) if one is available, else CPU."""
+    """This rank's accelerator with its index (e.g. ``cuda:1``) if one is available, else CPU.
+
+    The index is the current device once the script (``torch.cuda.set_device``) or Accelerate set
+    one; a process left on device 0 that a launcher started with ``LOCAL_RANK`` (torchrun,
+    ``accelerate launch``) gets ``LOCAL_RANK`` modulo the device count, as Accelerate's
+    ``PartialState`` picks it. Without that, a script that never sets the device would put every
+    rank's batches on device 0.
+    """
     if not torch.accelerator.is_available():
         return torch.device("cpu")
     dev = torch.accelerator.current_accelerator()
-    return torch.device(dev.type, _current_index(dev.type))
+    return torch.device(dev.type, _rank_index(dev.type))
+
+
+def _rank_index(device_type: str) -> int:
+    index = _current_index(device_type)
+    local_rank = os.environ.get("LOCAL_RANK")
+    if index != 0 or local_rank is None or not local_rank.isdigit():
+        return index
+    return int(local_rank) % max(1, torch.accelerator.device_count())
 
 
 def _current_index(device_type: str) -> int:
@@ -72,7 +88,7 @@ def resolve_device(device: DeviceLike, arg: str = "device") -> torch.device:
             f"{available}); pass None to use the current accelerator (or CPU), or {str(available)!r}"
         )
     if dev.index is None:
-        dev = torch.device(dev.type, _current_index(dev.type))
+        dev = torch.device(dev.type, _rank_index(dev.type))
     count = torch.get_device_module(dev.type).device_count()
     if dev.index >= count:
         raise ValueError(f"{arg}={device!r} does not exist: this machine has {count} {dev.type} device(s)")
@@ -135,12 +151,22 @@ def current_stream(device: DeviceLike):
 
 @contextlib.contextmanager
 def use_stream(stream) -> Iterator[None]:
-    """Make ``stream`` current on its device inside the block, then restore the previous one."""
-    if hasattr(stream, "__enter__"):       # torch.Stream is a context manager in recent torch
+    """Make ``stream`` current on its device inside the block, then restore the previous one.
+
+    Re-entrant and per thread: nested blocks on one stream, and two threads on one shared side
+    stream (the prefetchers share theirs), each restore what they replaced.
+    """
+    # Not ``with stream:``. torch.Stream's own context manager keeps the stream it replaced on
+    # the stream object (torch up to about 2.11), so a second entry, from a nested block or
+    # another thread, overwrites it and the first exit restores the wrong stream. The device
+    # module's ``stream(s)`` (``torch.cuda.stream``, ``torch.xpu.stream``) builds a new context
+    # each call, which holds the previous stream itself, and accepts a torch.Stream.
+    context = getattr(torch.get_device_module(stream.device.type), "stream", None)
+    if context is None:
         with stream:
             yield
         return
-    with torch.get_device_module(stream.device.type).stream(stream):
+    with context(stream):
         yield
 
 
