@@ -18,6 +18,15 @@ How the new fields meet the existing ones (never two names for one thing):
     - ``ddp_find_unused_parameters`` has no effect under ``"overlap"``/``"serial"``: hfstream
       always handles parameters whose gradient never arrives (see `GradSync.finish`).
 
+Parent defaults it changes (`SPEED_DEFAULTS`; each gives the same parameters, only faster):
+    - ``logging_nan_inf_filter``: None (auto) = off unless the run is the stock one
+      (``prefetch_depth=0, grad_sync="native"``). With the filter on, the Trainer evaluates
+      ``bool(isnan(loss) or isinf(loss))`` after every micro-step: the host waits for that
+      backward and for every reduction launched in it, so nothing is queued ahead of the GPU
+      (the next batch's copies, the optimizer's kernels) and the report's optimizer time absorbs
+      the gap. Off, a NaN/Inf loss shows in the logged loss instead of being replaced by the
+      recent average; gradients and parameters are the same. ``True`` brings the filter back.
+
 With another `TrainingArguments` subclass (TRL's ``SFTConfig``, a project's own): use
 ``stream_arguments(SFTConfig)``, or put the other class first, ``@dataclass class Args(SFTConfig,
 StreamTrainingArguments)``. The other order would give every field the other class overrides
@@ -117,9 +126,25 @@ class StreamTrainingArguments(TrainingArguments):
                           "log the breakdown against the ceiling through Trainer.log."},
     )
 
+    # --- parent defaults it changes (module docstring; listed in SPEED_DEFAULTS) ---------------
+    logging_nan_inf_filter: bool | None = field(
+        default=None,
+        metadata={"help": "Replace NaN/Inf training losses by the recent average when logging (TrainingArguments' "
+                          "filter). None = off unless prefetch_depth=0 and grad_sync='native' (the stock run): the "
+                          "filter reads every micro-step's loss on the host, a device sync that stalls prefetching "
+                          "and overlapped communication. Only the logged loss differs."},
+    )
+
+    # Changed parent defaults that give the same parameters, only faster: a class that loses one
+    # to another parent (``class Args(SFTConfig, StreamTrainingArguments)``) keeps that parent's,
+    # and is not refused for it (`field_defaults`); ``stream_arguments`` declares them again.
+    SPEED_DEFAULTS = ("logging_nan_inf_filter",)
+
     def __post_init__(self):
         check_field_defaults(type(self), StreamTrainingArguments)   # another subclass's defaults must survive
         self._validate_stream_fields()
+        if self.logging_nan_inf_filter is None:
+            self.logging_nan_inf_filter = self.prefetch_depth == 0 and self.grad_sync == "native"
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
             notice(logger, "hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
                            "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])

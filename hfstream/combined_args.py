@@ -10,12 +10,14 @@ overrides (``bf16``, ``learning_rate``, ...) silently becomes `TrainingArguments
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 from transformers import Trainer, TrainingArguments
 
 from .args import StreamTrainingArguments
+from .field_defaults import declares
 
 def _rebuild(base: type) -> StreamTrainingArguments:
     """Unpickling: an empty instance of ``stream_arguments(base)``; pickle then restores its state."""
@@ -66,6 +68,14 @@ def _combined(base: type) -> type:
         "__doc__": f"`{base.__qualname__}` plus hfstream's fields: `hfstream.stream_arguments({base.__name__})`.",
         "__reduce_ex__": __reduce_ex__,
     }
+    # The parent defaults StreamTrainingArguments changes for speed come from ``base``'s copy of
+    # TrainingArguments' fields otherwise (a dataclass takes each field from the last base that has
+    # it): declare them again, unless ``base`` chose its own.
+    ours = StreamTrainingArguments.__dataclass_fields__
+    again = [n for n in StreamTrainingArguments.SPEED_DEFAULTS if not declares(base, n)]
+    namespace["__annotations__"] = {n: ours[n].type for n in again}
+    for n in again:
+        namespace[n] = dataclasses.field(default=ours[n].default, metadata=ours[n].metadata)
     cls = dataclass(type(name, (base, StreamTrainingArguments), namespace))
     return cls
 

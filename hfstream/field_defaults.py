@@ -79,9 +79,19 @@ def _lost_defaults(cls: type) -> tuple[tuple[str, str, str, str | None], ...]:
     return tuple(lost)
 
 
+def declares(cls: type, name: str) -> bool:
+    """Whether a `TrainingArguments` subclass in ``cls``'s MRO, other than `TrainingArguments`, declares field ``name``."""
+    return any(name in _declared_fields(k) for k in cls.__mro__
+               if isinstance(k, type) and issubclass(k, TrainingArguments) and k is not TrainingArguments)
+
+
 def check_field_defaults(cls: type, ours: type) -> None:
-    """Refuses a class that lost defaults of its bases (see `_lost_defaults`); cached per class."""
-    lost = _lost_defaults(cls)
+    """Refuses a class that lost defaults of its bases (see `_lost_defaults`); cached per class.
+
+    ``ours.SPEED_DEFAULTS`` are not refused: losing one of them costs speed, not results.
+    """
+    speed_only = getattr(ours, "SPEED_DEFAULTS", ())
+    lost = [entry for entry in _lost_defaults(cls) if entry[0] not in speed_only]
     if not lost:
         return
     mro = cls.__mro__
