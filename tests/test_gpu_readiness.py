@@ -233,3 +233,34 @@ def test_batches_already_on_the_device_are_said_once_to_leave_nothing_to_copy(fa
         assert len(list(StreamPrefetcher(batches, device="cpu", depth=2))) == 4
     said = [r.getMessage() for r in caplog.records if "nothing left to copy" in r.getMessage()]
     assert len(said) == 1, said
+
+
+# -- one gradient group per trainer ---------------------------------------------------------------------
+def _gradient_group_reuse(rank, world_size, tmp):
+    import torch.distributed as dist
+
+    from hfstream import StreamTrainer
+    from hfstream import trainer as trainer_module
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    made, used = [], []
+
+    def counting_group(args):        # stands in for the NCCL high-priority group, which gloo lacks
+        made.append(dist.new_group(backend="gloo"))
+        return made[-1]
+
+    trainer_module.gradient_group = counting_group
+    trainer = StreamTrainer(model=tiny_causal_lm("gpt2", seed=rank),
+                            args=train_args(StreamTrainingArguments, f"{tmp}/out", grad_sync="overlap",
+                                            prefetch_depth=0, max_steps=2),
+                            train_dataset=lm_dataset())
+    for _ in range(2):
+        trainer.train()
+        used.append(trainer._grad_group is made[0])
+    return {"made": len(made), "used": used}
+
+
+@pytest.mark.multiprocess
+def test_one_gradient_group_per_trainer_is_reused_by_every_train_call(tmp_path, run_distributed):
+    for out in run_distributed(_gradient_group_reuse, 2, str(tmp_path), init_process_group=False, timeout=300):
+        assert out == {"made": 1, "used": [True, True]}
