@@ -15,9 +15,11 @@ There communication is two parts, each busy and exposed: the reduce-scatters in 
 in ``finish()``) and the previous step's all-gathers (waited by the forward's pre-hooks: that
 wait is taken out of forward and counted as exposed communication).
 
-Times come from `time.perf_counter` on CPU and from timing events on the compute stream of an
-accelerator (resolved lazily, when a report is asked for, so measuring never forces a sync).
-Data wait is always a host time: it is the time the host could not launch work.
+The report's quantities, their names, units and modes are one table, `hfstream.report_fields`;
+the printed table is `hfstream.report_format`. Times come from `time.perf_counter` on CPU and
+from timing events on the compute stream of an accelerator, read only once they have completed
+(`StepTimeline.resolve`), so measuring never makes the host wait. Data wait is always a host
+time: it is the time the host could not launch work.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
+
+import torch
+
+from . import streams
+from .report_fields import FIELDS, MEASURED, SHARDED_ONLY
+from .report_format import format_report
 
 
 def cross_step_limit(forward_ms: float, backward_ms: float, optimizer_per_rank_ms: float, comm_ms: float) -> float:
@@ -40,26 +48,17 @@ def cross_step_limit(forward_ms: float, backward_ms: float, optimizer_per_rank_m
     """
     return max(forward_ms + backward_ms + optimizer_per_rank_ms, comm_ms)
 
-import torch
-
-FIELDS = (
-    "data_wait_ms", "forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms",
-    "reduce_scatter_busy_ms", "reduce_scatter_exposed_ms", "all_gather_busy_ms", "all_gather_exposed_ms",
-    "optimizer_ms", "step_ms", "ideal_ms", "cross_step_limit_ms", "efficiency", "overlap",
-)
-SHARDED_FIELDS = ("reduce_scatter_busy_ms", "reduce_scatter_exposed_ms", "all_gather_busy_ms",
-                  "all_gather_exposed_ms", "cross_step_limit_ms")   # NaN outside grad_sync="sharded"
-
 
 @dataclass
 class StepRecord:
-    """One optimizer step, in milliseconds. ``comm_busy_ms`` is NaN where it is not measured
-    (native DDP hides its reductions from us), and then so is ``overlap``.
+    """One optimizer step's measured parts, in milliseconds; the derived fields are properties.
 
-    ``all_gather_busy_ms``/``all_gather_exposed_ms`` are measured under ``grad_sync="sharded"``
-    only (NaN otherwise); there ``comm_busy_ms`` and ``exposed_comm_ms`` are the sums of both
-    halves, the reduce-scatter's being the rest, and the ceiling of the mode is
-    ``cross_step_limit_ms`` (``efficiency`` is taken against it).
+    The fields are the ``measured`` rows of `hfstream.report_fields.FIELDS`. ``comm_busy_ms`` is
+    NaN where it is not measured (native DDP hides its reductions from us), and then so is
+    ``overlap``. ``all_gather_busy_ms``/``all_gather_exposed_ms`` are measured under
+    ``grad_sync="sharded"`` only (NaN otherwise); there ``comm_busy_ms`` and ``exposed_comm_ms``
+    are the sums of both halves, the reduce-scatter's being the rest, and the ceiling of the mode
+    is ``cross_step_limit_ms`` (``efficiency`` is taken against it).
     """
 
     step: int
@@ -108,11 +107,9 @@ class StepRecord:
         return 1.0 - min(self.exposed_comm_ms, self.comm_busy_ms) / self.comm_busy_ms
 
     def as_dict(self) -> dict[str, float]:
+        """``step`` and every field of the report, measured and derived."""
         d = asdict(self)
-        d.update(ideal_ms=self.ideal_ms, cross_step_limit_ms=self.cross_step_limit_ms,
-                 reduce_scatter_busy_ms=self.reduce_scatter_busy_ms,
-                 reduce_scatter_exposed_ms=self.reduce_scatter_exposed_ms,
-                 efficiency=self.efficiency, overlap=self.overlap)
+        d.update({f.key: getattr(self, f.key) for f in FIELDS if f.source == "derived"})
         return d
 
 
@@ -121,19 +118,15 @@ def _nanmean(values: Iterable[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-# The measured parts (StepRecord's fields); the rest of FIELDS is derived from them.
-TIMES = ("data_wait_ms", "forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms", "optimizer_ms", "step_ms",
-         "all_gather_busy_ms", "all_gather_exposed_ms")
-
-
 def _mean_breakdown(rows: list[dict[str, float]], steps: float) -> dict[str, float]:
-    """Average the times of ``rows``; the ratios (ceiling, efficiency, overlap) are recomputed from
-    the averaged times, not averaged themselves, so ``ideal_ms / step_ms == efficiency`` holds."""
-    avg = StepRecord(step=0, **{f: _nanmean(r.get(f, math.nan) for r in rows) for f in TIMES})
+    """Average the measured fields of ``rows``; the derived ones (ceiling, efficiency, overlap) are
+    recomputed from the averaged times, not averaged themselves, so ``ideal_ms / step_ms ==
+    efficiency`` holds."""
+    avg = StepRecord(step=0, **{key: _nanmean(r.get(key, math.nan) for r in rows) for key in MEASURED})
     out = avg.as_dict()
     out.pop("step")
-    if math.isnan(out["all_gather_busy_ms"]):   # not grad_sync="sharded": those fields do not exist
-        for key in SHARDED_FIELDS:
+    if not avg.sharded:   # not grad_sync="sharded": those fields do not exist
+        for key in SHARDED_ONLY:
             out.pop(key, None)
     out["steps"] = steps
     return out
@@ -144,7 +137,7 @@ def summarize(records: list[StepRecord], warmup: int = 1) -> dict[str, float]:
     kept = records[warmup:] if len(records) > warmup else records
     if not kept:
         return {}
-    return _mean_breakdown([{f: getattr(r, f) for f in TIMES} for r in kept], float(len(kept)))
+    return _mean_breakdown([{key: getattr(r, key) for key in MEASURED} for r in kept], float(len(kept)))
 
 
 def combine_ranks(summaries: list[dict[str, float]]) -> dict[str, float]:
@@ -155,66 +148,32 @@ def combine_ranks(summaries: list[dict[str, float]]) -> dict[str, float]:
     return _mean_breakdown(rows, _nanmean(r["steps"] for r in rows))
 
 
-def format_report(summary: dict[str, Any], title: str = "hfstream step report") -> str:
-    """A short, aligned text table of a `summarize` result (or of a per-rank dict of them)."""
-    if not summary:
-        return f"{title}: no steps measured"
-    per_rank = summary.get("per_rank") if isinstance(summary.get("per_rank"), list) else None
-    mean = summary.get("mean", summary)
-    lines = [f"{title} (mean of {int(mean.get('steps', 0))} steps after warm-up"
-             + (f", {len(per_rank)} ranks)" if per_rank else ")")]
-
-    def fmt(v: float, unit: str) -> str:
-        if v is None or (isinstance(v, float) and math.isnan(v)):
-            return "n/a"
-        return f"{100 * v:.1f} %" if unit == "%" else f"{v:.2f} ms"
-
-    rows = [("data wait", "data_wait_ms", "ms"), ("forward", "forward_ms", "ms"),
-            ("backward", "backward_ms", "ms"), ("comm busy", "comm_busy_ms", "ms"),
-            ("comm exposed", "exposed_comm_ms", "ms"),
-            ("  RS busy", "reduce_scatter_busy_ms", "ms"), ("  RS exposed", "reduce_scatter_exposed_ms", "ms"),
-            ("  AG busy", "all_gather_busy_ms", "ms"), ("  AG exposed", "all_gather_exposed_ms", "ms"),
-            ("optimizer", "optimizer_ms", "ms"),
-            ("step", "step_ms", "ms"), ("ceiling", "ideal_ms", "ms"), ("cross-step", "cross_step_limit_ms", "ms"),
-            ("efficiency", "efficiency", "%"), ("overlap", "overlap", "%")]
-    everywhere = [mean, *(per_rank or ())]
-    sharded = any(not math.isnan(r.get("all_gather_busy_ms", math.nan)) for r in everywhere)
-    for label, key, unit in rows:
-        if key in SHARDED_FIELDS and not sharded:
-            continue   # other modes have no all-gather: the rows are not shown
-        cells = [fmt(mean.get(key, math.nan), unit)]
-        if per_rank:
-            cells += [fmt(r.get(key, math.nan), unit) for r in per_rank]
-        lines.append(f"  {label:<13}" + "".join(f"{c:>12}" for c in cells))
-    if per_rank:
-        lines.insert(1, f"  {'':<13}{'mean':>12}" + "".join(f"{'rank ' + str(i):>12}" for i in range(len(per_rank))))
-    if sharded:
-        lines.append("  RS = reduce-scatter (in backward), AG = all-gather (the previous step's, behind the forward)")
-        lines.append("  ceiling = forward + max(backward, comm busy) + optimizer (DDP's); cross-step = max(forward + "
-                     "backward + optimizer, comm busy); efficiency = cross-step / step")
-    else:
-        lines.append("  ceiling = forward + max(backward, comm busy) + optimizer; efficiency = ceiling / step")
-    for note in summary.get("notes") or ():
-        lines.append(f"  note: {note}")
-    return "\n".join(lines)
-
-
 class _Clock:
-    """perf_counter on CPU; timing events on the current stream of an accelerator."""
+    """perf_counter on CPU; timing events on ``device``'s current stream on an accelerator.
+
+    The events are recorded on the stream of the model's own device (not the current device's,
+    which a script that never calls ``set_device`` leaves at device 0): GradSync's events for
+    ``finish()`` are recorded there too, so a step's windows and its exposed time share one stream.
+    """
 
     def __init__(self, device: torch.device | None):
+        self.device = device
         self.device_events = device is not None and device.type not in ("cpu", "meta") and hasattr(torch, "Event")
 
     def mark(self):
         if self.device_events:
-            ev = torch.Event(enable_timing=True)
-            ev.record()
+            ev = streams.new_event(self.device, enable_timing=True)
+            ev.record(streams.current_stream(self.device))
             return ev
         return time.perf_counter()
 
+    def done(self, mark) -> bool:
+        """Whether ``mark`` has been reached (never waits)."""
+        return not self.device_events or mark.query()
+
     def ms(self, a, b) -> float:
+        """Milliseconds from ``a`` to ``b``; on an accelerator both must have completed (`done`)."""
         if self.device_events:
-            b.synchronize()
             return a.elapsed_time(b)
         return (b - a) * 1e3
 
@@ -233,9 +192,9 @@ class _PendingStep:
     data_end: float = 0.0
     comm_spans: list = field(default_factory=list)   # (name, start, end) host seconds
     exposed_spans: list = field(default_factory=list)
-    comm_later: list = field(default_factory=list)   # functions returning SyncStats, called at resolve()
-    gather_busy_ms: float = math.nan     # grad_sync="sharded": the previous step's all-gathers
-    gather_exposed_ms: float = math.nan
+    comm_later: list = field(default_factory=list)   # `GradSync.stats_deferred()` results, read at resolve()
+    all_gather_busy_ms: float = math.nan     # grad_sync="sharded": the previous step's all-gathers
+    all_gather_exposed_ms: float = math.nan
 
 
 class Span(tuple):
@@ -255,12 +214,15 @@ class StepTimeline:
     `end_step`. Records and spans are kept in rings (``capacity`` steps, ``span_capacity``
     spans): memory stays bounded however long the run.
 
-    Spans ``(rank, lane, name, start, end)`` in host seconds, grouped per step, draw the
-    timeline figure: lane
-    ``data`` (waiting for a batch), ``compute`` (forward, backward, exposed comm, optimizer) and
-    ``comm`` (each bucket's reduction, from `GradSync`; under ``mode="sharded"`` also the previous
-    step's all-gathers, ``gather i``). On an accelerator, compute spans are
-    placed by their event offsets from the step's first mark.
+    Spans ``(rank, lane, name, start, end)`` in seconds, grouped per step, draw the timeline
+    figure: lane ``data`` (waiting for a batch), ``compute`` (forward, backward, exposed comm,
+    optimizer) and ``comm`` (each bucket's reduction, from `GradSync`; under ``mode="sharded"``
+    also the previous step's all-gathers, ``gather i``). One reference per step places them: the
+    step's first mark, at the host time ``begin_step`` was called. On CPU every span is a host
+    time. On an accelerator every compute and comm span is a device time, its offset from the
+    step's start event added to that host time (the comm spans too, through
+    ``stats_deferred().place_from``), so compute and communication are drawn on one clock; the
+    data wait alone is a host time, as it is measured.
 
     Args:
         device: where compute runs; accelerators are timed with events.
@@ -269,7 +231,7 @@ class StepTimeline:
         rank: this process's rank, written into every span.
     """
 
-    # Unresolved steps kept before the oldest are resolved (their events are long complete).
+    # On an accelerator, end_step resolves the completed steps once this many are pending.
     _MAX_PENDING = 32
 
     def __init__(self, device: torch.device | None = None, capacity: int = 4096, span_capacity: int = 256,
@@ -313,31 +275,35 @@ class StepTimeline:
         self._fwd = None
 
     def add_comm(self, comm_busy_ms: float, exposed_comm_ms: float, bucket_spans=(),
-                 exposed_span: tuple[float, float] | None = None, gather_busy_ms: float = math.nan,
-                 gather_exposed_ms: float = math.nan, gather_spans=()) -> None:
+                 exposed_span: tuple[float, float] | None = None, all_gather_busy_ms: float = math.nan,
+                 all_gather_exposed_ms: float = math.nan, all_gather_spans=()) -> None:
         """Communication measured by `GradSync` for this step.
 
         Args:
             comm_busy_ms, exposed_comm_ms: from ``GradSync.stats`` (the backward reductions).
             bucket_spans: ``(bucket index, launch, finish)`` in perf_counter seconds.
             exposed_span: the host interval the step spent waiting in ``finish()``.
-            gather_busy_ms, gather_exposed_ms, gather_spans: ``mode="sharded"``: the previous
-                step's parameter all-gathers, and what this step's forward waited for them.
+            all_gather_busy_ms, all_gather_exposed_ms, all_gather_spans: ``mode="sharded"``: the
+                previous step's parameter all-gathers, and what this step's forward waited for them.
         """
         if self._cur is not None:
-            _add_comm(self._cur, comm_busy_ms, exposed_comm_ms, bucket_spans, gather_busy_ms, gather_exposed_ms,
-                      gather_spans)
+            _add_comm(self._cur, comm_busy_ms, exposed_comm_ms, bucket_spans, all_gather_busy_ms,
+                      all_gather_exposed_ms, all_gather_spans)
             if exposed_span is not None:
                 self._cur.exposed_spans.append(exposed_span)
 
     def add_comm_later(self, resolve, exposed_span: tuple[float, float] | None = None) -> None:
         """Communication for this step whose numbers are read only when the step is resolved.
 
-        ``resolve()`` returns the step's `SyncStats` (``GradSync.stats_deferred()``): on an
-        accelerator reading them waits for the reductions' events, which by then have long
-        completed, so the host never stalls to measure a step.
+        ``resolve()`` returns the step's `SyncStats` (``GradSync.stats_deferred()``). Where it also
+        has ``ready()`` (its events have completed, never waits) and ``place_from(host_time,
+        event)`` (device spans measured from this step's start event), the step is resolved only
+        once ready, and its comm spans share the compute spans' reference. ``exposed_span``: the
+        host interval around ``finish()``, drawn where the stats carry no ``finish_span``.
         """
         if self._cur is not None:
+            if self._clock.device_events and hasattr(resolve, "place_from"):
+                resolve.place_from(self._cur.host_start, self._cur.start)
             self._cur.comm_later.append(resolve)
             if exposed_span is not None:
                 self._cur.exposed_spans.append(exposed_span)
@@ -356,45 +322,76 @@ class StepTimeline:
             self.resolve()
 
     # -- results ---------------------------------------------------------------------------
-    def resolve(self) -> None:
-        """Turn finished steps into records (waits for their events on an accelerator)."""
-        ms = self._clock.ms
+    def _completed(self, p: _PendingStep) -> bool:
+        """Whether every event of step ``p`` (its end mark, GradSync's events) has completed; never waits."""
+        return self._clock.done(p.end) and all(getattr(later, "ready", lambda: True)() for later in p.comm_later)
+
+    def resolve(self, wait: bool = False) -> int:
+        """Turn finished steps into records, oldest first; returns how many.
+
+        Never waits for the device: a step whose events have not all completed stays pending (and
+        so do the steps after it, to keep the records in step order), unless ``wait`` (the end of
+        training, when a report is made) says to wait for them.
+        """
+        done = 0
         for p in self._pending:
-            for resolve in p.comm_later:
-                stats = resolve()
-                _add_comm(p, stats.comm_busy_ms, stats.exposed_comm_ms, stats.bucket_spans,
-                          getattr(stats, "gather_busy_ms", math.nan), getattr(stats, "gather_exposed_ms", math.nan),
-                          getattr(stats, "gather_spans", ()))
-            p.comm_later.clear()
-            fwd = sum(ms(f0, f1) for f0, f1, _ in p.micro)
-            bwd = sum(ms(f1, b1) for _, f1, b1 in p.micro)
-            opt_start = p.optimizer_start if p.optimizer_start is not None else p.micro[-1][2]
-            # On an accelerator this is the stream's time from the step's first mark to its
-            # last: a host wait for data shows up in it only if the stream ran dry meanwhile.
-            step_ms = ms(p.start, p.end)
-            # The wait in finish() also packs buckets launched late and copies results back:
-            # sync work, not communication. Whatever of it exceeds the reductions' own busy time
-            # is counted with backward, so that exposed <= busy holds and the parts still sum up.
-            exposed, busy = p.exposed_comm_ms, p.comm_busy_ms
-            if not math.isnan(busy) and exposed > busy:
-                bwd, exposed = bwd + exposed - busy, busy
-            gather_busy, gather_exposed = p.gather_busy_ms, p.gather_exposed_ms
-            if not math.isnan(gather_busy):
-                # The pre-hooks' waits ran inside the forward: communication, not forward compute.
-                gather_exposed = min(gather_exposed, fwd)
-                fwd -= gather_exposed
-                busy, exposed = busy + gather_busy, exposed + gather_exposed
-            self.records.append(StepRecord(
-                step=p.step, data_wait_ms=p.data_wait_ms, forward_ms=fwd, backward_ms=bwd,
-                comm_busy_ms=busy, exposed_comm_ms=exposed,
-                optimizer_ms=ms(opt_start, p.end), step_ms=step_ms,
-                all_gather_busy_ms=gather_busy, all_gather_exposed_ms=gather_exposed,
-            ))
-            self._add_spans(p, opt_start)
-        self._pending.clear()
+            if not wait and not self._completed(p):
+                break
+            if wait and self._clock.device_events:
+                p.end.synchronize()
+            self._resolve_one(p)
+            done += 1
+        del self._pending[:done]
+        return done
+
+    def _resolve_one(self, p: _PendingStep) -> None:
+        ms = self._clock.ms
+        finish_spans = []
+        for later in p.comm_later:
+            stats = later()
+            _add_comm(p, stats.comm_busy_ms, stats.exposed_comm_ms, stats.bucket_spans,
+                      getattr(stats, "all_gather_busy_ms", math.nan), getattr(stats, "all_gather_exposed_ms", math.nan),
+                      getattr(stats, "all_gather_spans", ()))
+            if getattr(stats, "finish_span", None) is not None:
+                finish_spans.append(stats.finish_span)
+        if finish_spans:   # the stall GradSync measured, on the step's reference: drawn instead of the host's
+            p.exposed_spans = finish_spans
+        p.comm_later.clear()
+        fwd = sum(ms(f0, f1) for f0, f1, _ in p.micro)
+        bwd = sum(ms(f1, b1) for _, f1, b1 in p.micro)
+        opt_start = p.optimizer_start if p.optimizer_start is not None else p.micro[-1][2]
+        # On an accelerator this is the stream's time from the step's first mark to its
+        # last: a host wait for data shows up in it only if the stream ran dry meanwhile.
+        step_ms = ms(p.start, p.end)
+        # The windows finish() can run in: from each backward's end to the next forward, the last
+        # to the optimizer. The exposed time GradSync measured lies inside them; whatever a clock
+        # on another stream or device puts outside them would be counted twice, so it is cut.
+        ends = [b1 for _, _, b1 in p.micro]
+        starts = [f0 for f0, _, _ in p.micro[1:]] + [opt_start]
+        window = sum(max(ms(b1, nxt), 0.0) for b1, nxt in zip(ends, starts))
+        exposed, busy = min(p.exposed_comm_ms, window), p.comm_busy_ms
+        # The wait in finish() also packs buckets launched late and copies results back:
+        # sync work, not communication. Whatever of it exceeds the reductions' own busy time
+        # is counted with backward, so that exposed <= busy holds and the parts still sum up.
+        if not math.isnan(busy) and exposed > busy:
+            bwd, exposed = bwd + exposed - busy, busy
+        gather_busy, gather_exposed = p.all_gather_busy_ms, p.all_gather_exposed_ms
+        if not math.isnan(gather_busy):
+            # The pre-hooks' waits ran inside the forward: communication, not forward compute.
+            gather_exposed = min(gather_exposed, fwd)
+            fwd -= gather_exposed
+            busy, exposed = busy + gather_busy, exposed + gather_exposed
+        self.records.append(StepRecord(
+            step=p.step, data_wait_ms=p.data_wait_ms, forward_ms=fwd, backward_ms=bwd,
+            comm_busy_ms=busy, exposed_comm_ms=exposed,
+            optimizer_ms=ms(opt_start, p.end), step_ms=step_ms,
+            all_gather_busy_ms=gather_busy, all_gather_exposed_ms=gather_exposed,
+        ))
+        self._add_spans(p, opt_start)
 
     def _add_spans(self, p: _PendingStep, opt_start) -> None:
-        # Host seconds: the step's first mark is p.host_start; device marks sit at their offsets.
+        # One reference per step: its first mark, at host time p.host_start; device marks sit at
+        # their offsets from it (and so do GradSync's spans, placed from the same event).
         at = lambda mark: p.host_start + self._clock.ms(p.start, mark) / 1e3  # noqa: E731
         r, spans = self.rank, []
         add = spans.append
@@ -410,27 +407,37 @@ class StepTimeline:
             add(Span(r, "comm", name, t0, t1))
         self.spans.append((p.step, spans))
 
-    def last_spans(self, steps: int = 4) -> list[Span]:
-        """The spans of the last ``steps`` resolved steps, in time order."""
-        self.resolve()
+    @property
+    def last_step(self) -> int | None:
+        """The step of the newest record (None before the first): what a summary so far covers."""
+        return self.records[-1].step if self.records else None
+
+    def last_spans(self, steps: int = 4, wait: bool = True) -> list[Span]:
+        """The spans of the last ``steps`` resolved steps, in time order (``wait``: of every step ended)."""
+        self.resolve(wait=wait)
         return [span for _, spans in list(self.spans)[-steps:] for span in spans]
 
-    def summary(self, warmup: int = 1, since_step: int | None = None) -> dict[str, float]:
-        self.resolve()
+    def summary(self, warmup: int = 1, since_step: int | None = None, wait: bool = True) -> dict[str, float]:
+        """The mean breakdown of the resolved steps (after ``warmup``, or after step ``since_step``).
+
+        ``wait=False`` leaves out the steps the device has not finished (they come in a later
+        summary): the Trainer's periodic log never drains the device's queue.
+        """
+        self.resolve(wait=wait)
         recs = [r for r in self.records if since_step is None or r.step > since_step]
         return summarize(recs, warmup=warmup if since_step is None else 0)
 
 
-def _add_comm(p: _PendingStep, busy_ms, exposed_ms, bucket_spans, gather_busy_ms, gather_exposed_ms,
-              gather_spans) -> None:
+def _add_comm(p: _PendingStep, busy_ms, exposed_ms, bucket_spans, all_gather_busy_ms, all_gather_exposed_ms,
+              all_gather_spans) -> None:
     """Add one `SyncStats`' numbers to a step (NaN, where not measured, stays NaN until a number comes)."""
     plus = lambda a, b: b if math.isnan(a) else (a if math.isnan(b) else a + b)  # noqa: E731
     p.comm_busy_ms = plus(p.comm_busy_ms, busy_ms)
     p.exposed_comm_ms += exposed_ms
     p.comm_spans.extend((f"bucket {i}", t0, t1) for i, t0, t1 in bucket_spans)
-    p.gather_busy_ms = plus(p.gather_busy_ms, gather_busy_ms)
-    p.gather_exposed_ms = plus(p.gather_exposed_ms, gather_exposed_ms)
-    p.comm_spans.extend((f"gather {i}", t0, t1) for i, t0, t1 in gather_spans)
+    p.all_gather_busy_ms = plus(p.all_gather_busy_ms, all_gather_busy_ms)
+    p.all_gather_exposed_ms = plus(p.all_gather_exposed_ms, all_gather_exposed_ms)
+    p.comm_spans.extend((f"gather {i}", t0, t1) for i, t0, t1 in all_gather_spans)
 
 
 class StreamReport(dict):

@@ -40,7 +40,8 @@ from .clean_exit import release_at_exit
 from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_sharded, resolve_grad_sync
 from .log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
-from .timeline import FIELDS, StepTimeline, StreamReport, combine_ranks
+from .report_fields import KEYS as REPORT_KEYS
+from .timeline import StepTimeline, StreamReport, combine_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -384,9 +385,11 @@ class StreamTrainerMixin:
     # -- the report ----------------------------------------------------------------------------------
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if self._timeline is not None and "loss" in logs:
-            summary = self._timeline.summary(since_step=self._last_logged_step)
-            self._last_logged_step = self.state.global_step
-            for key in FIELDS:
+            # Only the steps the device has finished: a step still running comes in the next log.
+            summary = self._timeline.summary(since_step=self._last_logged_step, wait=False)
+            if self._timeline.last_step is not None:
+                self._last_logged_step = self._timeline.last_step
+            for key in REPORT_KEYS:
                 value = summary.get(key, math.nan)
                 if not math.isnan(value):
                     logs[f"stream/{key}"] = round(value, 4)

@@ -1,13 +1,19 @@
 """The step report is consistent: parts add up to the step, exposed comm never exceeds comm
 busy, the ceiling is never above the step, spans and pictures are produced."""
 
+import dataclasses
 import math
+import types
 
 import pytest
+import torch
 
 from hfstream import StreamTrainer, StreamTrainingArguments
 from hfstream.tools.plot import plot_breakdown, plot_loss, plot_timeline
-from hfstream.timeline import StepRecord, StepTimeline, format_report, summarize
+from hfstream.gradsync.stats import StepTimes
+from hfstream.report_fields import FIELDS, KEYS, MEASURED, SHARDED_ONLY
+from hfstream.report_format import format_report
+from hfstream.timeline import StepRecord, StepTimeline, summarize
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 
@@ -99,18 +105,39 @@ def test_two_rank_report_has_comm(tmp_path, run_distributed):
             assert 0.6 * rec["step_ms"] <= parts <= rec["step_ms"] * 1.001 + 0.05
 
 
-def test_sync_work_beyond_comm_busy_counts_as_backward():
-    tl = StepTimeline()
-    tl.begin_step(1)
+def _host_clock(monkeypatch, reads_ms):
+    import hfstream.timeline as timeline
+
+    clock = iter(reads_ms)   # ms, one per clock read, in step order
+    monkeypatch.setattr(timeline.time, "perf_counter", lambda: next(clock) * 1e-3)
+
+
+def _step_with_comm(tl, **comm):
+    tl.begin_step(1)        # two clock reads: the step's mark and the data wait's start
     tl.data_ready()
     tl.forward_start()
     tl.forward_end()
     tl.backward_end()
-    tl.add_comm(comm_busy_ms=2.0, exposed_comm_ms=5.0)     # 3 ms of packing/copy-back inside finish()
+    tl.add_comm(**comm)
     tl.optimizer_start()
     tl.end_step()
     (rec,) = tl.records
-    assert rec.exposed_comm_ms == 2.0 and rec.backward_ms >= 3.0
+    return rec
+
+
+def test_sync_work_beyond_comm_busy_counts_as_backward(monkeypatch):
+    _host_clock(monkeypatch, [0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 7.0, 8.0])   # finish() takes 5 ms
+    rec = _step_with_comm(StepTimeline(), comm_busy_ms=2.0, exposed_comm_ms=5.0)   # 3 ms of packing/copy-back
+    assert rec.exposed_comm_ms == 2.0 and rec.backward_ms == pytest.approx(1.0 + 3.0)
+
+
+def test_exposed_time_never_extends_past_the_finish_window(monkeypatch):
+    """Stats that claim more exposed time than the step spent between backward and optimizer
+    (a clock on another stream or device) are cut to that window: the parts never pass the step."""
+    _host_clock(monkeypatch, [0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 2.5, 3.0])   # finish() window: 0.5 ms
+    rec = _step_with_comm(StepTimeline(), comm_busy_ms=5.0, exposed_comm_ms=0.79)
+    parts = rec.data_wait_ms + rec.forward_ms + rec.backward_ms + rec.exposed_comm_ms + rec.optimizer_ms
+    assert rec.exposed_comm_ms == pytest.approx(0.5) and parts <= rec.step_ms + 1e-9, (parts, rec)
 
 
 def test_run_figures_leave_the_backend_alone(tmp_path):
@@ -149,3 +176,168 @@ def test_a_steps_parts_never_sum_past_the_step_when_the_host_is_preempted(monkey
     (rec,) = tl.records
     parts = rec.data_wait_ms + rec.forward_ms + rec.backward_ms + rec.exposed_comm_ms + rec.optimizer_ms
     assert rec.data_wait_ms > 0 and parts <= rec.step_ms, (parts, rec)
+
+
+# -- one table of fields, one vocabulary ---------------------------------------------------------
+
+def test_every_report_key_is_one_row_of_the_field_table():
+    """The record's measured fields, the derived ones, the summary's keys and the printed rows all
+    come from one table; a row's label is its key without the unit, so the table reads like the logs."""
+    assert {f.name for f in dataclasses.fields(StepRecord)} - {"step"} == set(MEASURED)
+    rec = StepRecord(1, 1, 10, 20, 30, 12, 3, 50, all_gather_busy_ms=8, all_gather_exposed_ms=2)
+    assert set(rec.as_dict()) == {"step", *KEYS}
+    assert set(summarize([rec], warmup=0)) == {"steps", *KEYS}
+    plain = summarize([StepRecord(1, 1, 10, 20, 30, 12, 3, 50)], warmup=0)
+    assert set(plain) == {"steps", *KEYS} - set(SHARDED_ONLY)
+    assert len(set(KEYS)) == len(KEYS) and len({f.label for f in FIELDS}) == len(FIELDS)
+    for f in FIELDS:
+        assert f.label.replace("-", "_").replace(" ", "_") + ("_ms" if f.unit == "ms" else "") == f.key
+        assert f.source in ("measured", "derived") and f.modes in ("all", "comm", "sharded") and f.meaning
+    rows = [line[2:].split("  ")[0] for line in format_report(summarize([rec], warmup=0)).splitlines()[1:]]
+    assert rows[:len(FIELDS)] == [f.label for f in FIELDS]
+
+
+def test_advice_is_printed_under_the_table():
+    report = {"mean": summarize([StepRecord(1, 1, 10, 20, 30, 12, 3, 50)], warmup=0), "notes": ["a note"],
+              "advice": [{"setting": "prefetch_depth", "value": 2, "predicted_step_ms": 41.5,
+                          "reason": "the step waited 9.0 ms for data"}]}
+    lines = format_report(report).splitlines()
+    assert lines[-1] == "  advice: set prefetch_depth=2: the step waited 9.0 ms for data (predicted 41.50 ms)"
+    assert lines[-2] == "  note: a note" and "advice" not in format_report({"mean": report["mean"]})
+
+
+# -- an accelerator's events, faked: resolve() never waits, spans share one reference -------------
+
+class FakeGPU:
+    """A device whose clock (ms) the test moves; events complete once ``finished`` reaches them."""
+
+    def __init__(self):
+        self.now, self.finished, self.waits = 0.0, -1.0, 0
+
+    def event(self, at=None):
+        ev = FakeEvent(self)
+        ev.t = self.now if at is None else at
+        return ev
+
+
+class FakeEvent:
+    def __init__(self, gpu):
+        self.gpu, self.t = gpu, None
+
+    def record(self, stream=None):
+        self.t = self.gpu.now
+
+    def query(self):
+        return self.t <= self.gpu.finished
+
+    def synchronize(self):
+        if not self.query():
+            self.gpu.waits += 1
+            self.gpu.finished = self.t
+
+    def elapsed_time(self, other):
+        assert self.query() and other.query(), "elapsed_time of an event not completed"
+        return other.t - self.t
+
+
+def _device_timeline(monkeypatch, gpu):
+    import hfstream.timeline as timeline
+
+    monkeypatch.setattr(timeline, "streams", types.SimpleNamespace(
+        new_event=lambda device, enable_timing=False: FakeEvent(gpu), current_stream=lambda device: None))
+    tl = StepTimeline(device=torch.device("cuda"))
+    assert tl._clock.device_events
+    return tl
+
+
+def _device_step(tl, gpu, step, comm=None):
+    tl.begin_step(step)
+    tl.data_ready()
+    tl.forward_start()
+    gpu.now += 3
+    tl.forward_end()
+    gpu.now += 5
+    tl.backward_end()
+    if comm is not None:
+        tl.add_comm_later(comm)
+    tl.optimizer_start()
+    gpu.now += 2
+    tl.end_step()
+
+
+def test_resolve_never_waits_on_an_unfinished_step(monkeypatch):
+    gpu = FakeGPU()
+    tl = _device_timeline(monkeypatch, gpu)
+    for step in range(1, 41):
+        _device_step(tl, gpu, step)
+        gpu.finished = gpu.now - 15          # the device runs a step and a half behind the host
+    assert gpu.waits == 0
+    resolved = [r.step for r in tl.records]
+    assert resolved == list(range(1, len(resolved) + 1)) and 30 <= len(resolved) < 40   # in order, lagging
+    assert tl.summary(wait=False)["steps"] == 38 - 1 and gpu.waits == 0    # the periodic log: steps 39, 40 run
+    assert tl.last_step == 38
+    # A step whose GradSync events have not completed waits in turn, and so do the steps after it.
+    comm = LateStats()
+    _device_step(tl, gpu, 41, comm=comm)
+    _device_step(tl, gpu, 42)
+    gpu.finished = gpu.now
+    tl.resolve()
+    assert tl.last_step == 40 and gpu.waits == 0
+    comm.done = True
+    tl.resolve()
+    assert tl.last_step == 42 and tl.records[-2].comm_busy_ms == 1.0
+    # The report at the end of training waits, once, for whatever is left.
+    _device_step(tl, gpu, 43)
+    assert tl.summary(warmup=0)["steps"] == 43 and tl.last_step == 43 and gpu.waits == 1
+
+
+class LateStats:
+    """A step's `GradSync.stats_deferred()`: complete when the test says so."""
+
+    done = False
+
+    def ready(self):
+        return self.done
+
+    def place_from(self, host_time, event):
+        pass
+
+    def __call__(self):
+        assert self.done, "read before its events completed"
+        return types.SimpleNamespace(comm_busy_ms=1.0, exposed_comm_ms=0.0, bucket_spans=[])
+
+
+def test_spans_are_placed_from_one_reference_per_step(monkeypatch):
+    """The host launched the bucket 2 ms into the step while the device ran it 15 ms in (the host runs
+    ahead): the comm span is drawn where the device ran it, on the compute spans' clock."""
+    gpu = FakeGPU()
+    tl = _device_timeline(monkeypatch, gpu)
+    gpu.now = 100.0
+    tl.begin_step(1)
+    host_start = tl._cur.host_start
+    tl.data_ready()
+    tl.forward_start()
+    gpu.now = 110.0
+    tl.forward_end()
+    gpu.now = 130.0
+    tl.backward_end()
+    # GradSync's events: the bucket on the comm stream from 115 to 135, the compute stream's stall
+    # in finish() from 130 to 135; host times of the launch and the wait as the host saw them.
+    launches = [(0, "dev", host_start + 0.002, None, gpu.event(115.0), gpu.event(135.0))]
+    waits = {"dev": (gpu.event(130.0), gpu.event(135.0))}
+    stats = StepTimes(launches, (host_start + 0.003, host_start + 0.004), waits, 1, None)
+    tl.add_comm_later(stats, (host_start + 0.003, host_start + 0.004))
+    gpu.now = 135.0
+    tl.optimizer_start()
+    gpu.now = 140.0
+    tl.end_step()
+    assert not tl.records                       # not complete yet: nothing was waited for
+    gpu.finished = 140.0
+    spans = {name: (round((a - host_start) * 1e3, 6), round((b - host_start) * 1e3, 6))
+             for _, _, name, a, b in tl.last_spans(wait=False)}
+    assert spans["forward"] == (0.0, 10.0) and spans["backward"] == (10.0, 30.0)
+    assert spans["bucket 0"] == (15.0, 35.0)                 # not at the host's launch, 2 ms in
+    assert spans["exposed comm"] == (30.0, 35.0) and spans["optimizer"] == (35.0, 40.0)
+    (rec,) = tl.records
+    assert rec.comm_busy_ms == pytest.approx(20.0) and rec.exposed_comm_ms == 5.0 and rec.step_ms == 40.0
+    assert gpu.waits == 0

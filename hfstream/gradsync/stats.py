@@ -32,14 +32,22 @@ class SyncStats:
         launched_in_backward: of those, how many the gradient hooks launched while backward ran
             (the rest were launched by ``finish()``: their communication could not overlap).
         bucket_spans: ``(bucket index, launch time, finish time)`` in ``time.perf_counter()``
-            seconds, in launch order. On an accelerator a span's length comes from device
-            events and is placed at the host time the first bucket was launched.
-        gather_busy_ms: ``mode="sharded"``: time at least one of the previous step's parameter
+            seconds, in launch order. On an accelerator a span is a device time placed from one
+            reference: the step's start event at the host time the step began, where the
+            timeline gave one (``stats_deferred().place_from``), else the first launch's event
+            at the host time of that launch.
+        finish_span: ``(start, end)`` of the exposed wait in ``finish()``, placed like the spans
+            (CPU: host times from entering it to the last completion; accelerator: the compute
+            stream's stall); None where not measured.
+        all_gather_busy_ms: ``mode="sharded"``: time at least one of the previous step's parameter
             all-gathers was in flight (from ``optimizer.step()`` to each one's completion); NaN
             in the other modes, 0 before the first optimizer step.
-        gather_exposed_ms: ``mode="sharded"``: time the forward pre-hooks waited for those
+        all_gather_exposed_ms: ``mode="sharded"``: time the forward pre-hooks waited for those
             all-gathers (on an accelerator: the compute stream's stall, from events); NaN otherwise.
-        num_gathers, gather_spans: those all-gathers, as ``num_collectives``/``bucket_spans``.
+        num_all_gathers, all_gather_spans: those all-gathers, as ``num_collectives``/``bucket_spans``.
+
+    ``comm_busy_ms`` and ``exposed_comm_ms`` here are the backward's collectives only (under
+    sharded: the reduce-scatters); the step report's fields of those names add the all-gathers.
     """
 
     comm_busy_ms: float = 0.0
@@ -47,10 +55,11 @@ class SyncStats:
     num_collectives: int = 0
     launched_in_backward: int = 0
     bucket_spans: list[tuple[int, float, float]] = field(default_factory=list)
-    gather_busy_ms: float = math.nan
-    gather_exposed_ms: float = math.nan
-    num_gathers: int = 0
-    gather_spans: list[tuple[int, float, float]] = field(default_factory=list)
+    finish_span: tuple[float, float] | None = None
+    all_gather_busy_ms: float = math.nan
+    all_gather_exposed_ms: float = math.nan
+    num_all_gathers: int = 0
+    all_gather_spans: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 def union_length(spans: list[tuple[float, float]]) -> float:
@@ -72,12 +81,13 @@ class StatsRecorder:
 
     GradSync calls `launched` and `completed` per bucket, `finish_entered`/`finish_left` around
     its wait. `stats` resolves the last step (on an accelerator: waits for its events);
-    `deferred` hands out a function that resolves *that* step later, so a reader that can wait a
-    step (the Trainer's report) never makes the host wait for the device.
+    `deferred` hands out *that* step, to resolve later (`StepTimes`: callable, with ``ready()``
+    and ``place_from()``), so a reader that can wait a step (the Trainer's report) never makes
+    the host wait for the device.
     """
 
     def __init__(self):
-        self._last = _StepTimes([], 0.0, {}, 0, None)
+        self._last = StepTimes([], (0.0, 0.0), {}, 0, None)
         # mode="sharded": the all-gathers launched since the last finish() and the forward's waits for them.
         self._gathers: list[_Gather] | None = None
         self._gather_waits: list = []
@@ -130,7 +140,7 @@ class StatsRecorder:
                 g.done.wait()
             gathers = (done, self._gather_waits)
             self._gathers, self._gather_waits = [g for g in self._gathers if not g.waited], []
-        self._last = _StepTimes(launches, (t_done - t_enter) * 1e3, waits, early, gathers)
+        self._last = StepTimes(launches, (t_enter, t_done), waits, early, gathers)
         on_device = gathers is not None and any(g.start_event is not None for g in gathers[0])
         if not waits and not on_device:
             self._last.resolve()   # host times only: nothing to wait for
@@ -177,9 +187,9 @@ class StatsRecorder:
         """The last step's count of buckets launched by the hooks (a host count: never waits)."""
         return self._last.launched_in_backward
 
-    def deferred(self):
-        """A function returning the last step's `SyncStats`, to call once its events are long done."""
-        return self._last.resolve
+    def deferred(self) -> "StepTimes":
+        """The last step's timings: call it for its `SyncStats`, once ``ready()`` says its events are done."""
+        return self._last
 
 
 class _Gather:
@@ -199,11 +209,21 @@ class _Gather:
             self.end_time = time.perf_counter()
 
 
-def _device_spans(rows) -> list[tuple[int, float, float]]:
+def _offset_s(reference, event) -> float | None:
+    """Seconds from ``reference`` to ``event`` (negative when earlier); None when they cannot be compared."""
+    try:
+        return reference.elapsed_time(event) / 1e3
+    except (RuntimeError, ValueError):   # another device's event
+        return None
+
+
+def _device_spans(rows, reference=None) -> list[tuple[int, float, float]]:
     """``(index, device, launch, end, start_event, end_event)`` -> ``(index, start, end)`` host seconds.
 
-    Device spans are measured from the device's first start event and placed at the host time of
-    that first launch: lengths and gaps are device times, the anchor is the host's.
+    Host-timed rows are kept as they are. Device rows are placed from ``reference`` (``(host
+    time, event)``: the step's start event at the host time the step began) where it is given and
+    on their device; otherwise from the device's first start event at the host time of that first
+    launch (lengths and gaps are device times either way; only the anchor differs).
     """
     anchors: dict = {}
     spans = []
@@ -211,51 +231,88 @@ def _device_spans(rows) -> list[tuple[int, float, float]]:
         if start is None:
             spans.append((index, launched, ended))
             continue
-        end.synchronize()   # elapsed_time needs both events completed
-        t0, ref = anchors.setdefault(device, (launched, start))
+        end.synchronize()   # elapsed_time needs both events completed (a no-op once ready())
+        if device not in anchors:
+            offset = _offset_s(reference[1], start) if reference is not None else None
+            anchors[device] = (launched, start) if offset is None else (reference[0], reference[1])
+        t0, ref = anchors[device]
         spans.append((index, t0 + ref.elapsed_time(start) / 1e3, t0 + ref.elapsed_time(end) / 1e3))
     return spans
 
 
-class _StepTimes:
-    """One step's raw timings; `resolve` turns them into `SyncStats` once (then cached)."""
+def _events(launches, waits, gathers) -> list:
+    """Every event a step's stats read (None: one that is not recorded yet)."""
+    out = [ev for row in launches for ev in row[4:6] if row[4] is not None]
+    out += [ev for pair in waits.values() for ev in pair]
+    if gathers is not None:
+        launched, gather_waits = gathers
+        out += [ev for g in launched if g.start_event is not None for ev in (g.start_event, g.end_event)]
+        out += [ev for w in gather_waits if isinstance(w, tuple) for ev in w]
+    return out
 
-    def __init__(self, launches: list, host_exposed_ms: float, waits: dict, launched_in_backward: int,
+
+class StepTimes:
+    """One step's raw timings; calling it resolves them into `SyncStats` once (then cached).
+
+    ``ready()`` says, without waiting, whether every event it reads has completed; a reader that
+    calls it only then never stalls the host. ``place_from(host_time, event)`` sets the reference
+    its device spans are placed from (the timeline's step start), before it is resolved.
+    """
+
+    def __init__(self, launches: list, finish_window: tuple[float, float], waits: dict, launched_in_backward: int,
                  gathers: tuple[list, list] | None):
-        self._raw = (launches, host_exposed_ms, waits, gathers)
+        self._raw = (launches, finish_window, waits, gathers)
         self.launched_in_backward = launched_in_backward
+        self._reference: tuple[float, object] | None = None
         self._stats: SyncStats | None = None
+
+    def ready(self) -> bool:
+        if self._raw is None:
+            return True
+        return all(ev is not None and ev.query() for ev in _events(self._raw[0], self._raw[2], self._raw[3]))
+
+    def place_from(self, host_time: float, event) -> None:
+        if self._stats is None:
+            self._reference = (host_time, event)
+
+    def __call__(self) -> SyncStats:
+        return self.resolve()
 
     def resolve(self) -> SyncStats:
         if self._stats is not None:
             return self._stats
-        launches, host_exposed_ms, waits, gathers = self._raw
-        spans = _device_spans(launches)
-        exposed = host_exposed_ms
+        launches, (t_enter, t_done), waits, gathers = self._raw
+        reference = self._reference
+        spans = _device_spans(launches, reference)
+        exposed, finish_span = (t_done - t_enter) * 1e3, (t_enter, t_done)
         if waits:   # what the compute stream(s) spent waiting, not what the host spent queueing
             for _, after in waits.values():
                 after.synchronize()
-            exposed = max(before.elapsed_time(after) for before, after in waits.values())
+            stalls = [(before.elapsed_time(after), before, after) for before, after in waits.values()]
+            exposed, before, after = max(stalls, key=lambda s: s[0])
+            offset = _offset_s(reference[1], before) if reference is not None else None
+            finish_span = None if offset is None else (reference[0] + offset, reference[0] + offset + exposed / 1e3)
         self._stats = SyncStats(
             comm_busy_ms=union_length([(a, b) for _, a, b in spans]) * 1e3,
             exposed_comm_ms=exposed,
             num_collectives=len(spans),
             launched_in_backward=self.launched_in_backward,
             bucket_spans=spans,
+            finish_span=finish_span,
         )
         if gathers is not None:
             launched, gather_waits = gathers
             gspans = _device_spans([(g.index, g.device, g.launch_time, g.end_time, g.start_event, g.end_event)
-                                    for g in launched])
+                                    for g in launched], reference)
             waited = 0.0
             for w in gather_waits:
                 if isinstance(w, tuple):
                     w[1].synchronize()
                     w = w[0].elapsed_time(w[1])
                 waited += w
-            self._stats.gather_busy_ms = union_length([(a, b) for _, a, b in gspans]) * 1e3
-            self._stats.gather_exposed_ms = waited
-            self._stats.num_gathers = len(gspans)
-            self._stats.gather_spans = gspans
+            self._stats.all_gather_busy_ms = union_length([(a, b) for _, a, b in gspans]) * 1e3
+            self._stats.all_gather_exposed_ms = waited
+            self._stats.num_all_gathers = len(gspans)
+            self._stats.all_gather_spans = gspans
         self._raw = None   # the events are no longer needed
         return self._stats

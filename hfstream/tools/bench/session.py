@@ -196,10 +196,10 @@ class _Session:
             if self.kind == "sharded":
                 # This step's stats carry the previous step's all-gathers; the forward's wait for
                 # them is communication, not forward compute (as in the step report).
-                waited = min(st.gather_exposed_ms, (t2 - t1) * 1e3)
+                waited = min(st.all_gather_exposed_ms, (t2 - t1) * 1e3)
                 halves = {"reduce_scatter_busy_ms": busy, "reduce_scatter_exposed_ms": exposed,
-                          "all_gather_busy_ms": st.gather_busy_ms, "all_gather_exposed_ms": waited}
-                busy, exposed, collectives = busy + st.gather_busy_ms, exposed + waited, collectives + st.num_gathers
+                          "all_gather_busy_ms": st.all_gather_busy_ms, "all_gather_exposed_ms": waited}
+                busy, exposed, collectives = busy + st.all_gather_busy_ms, exposed + waited, collectives + st.num_all_gathers
         else:
             spans = self.timer.take()
             # The last bucket is launched when backward has produced its last gradient; what

@@ -1,0 +1,65 @@
+"""The step report as text: an aligned table, one row per field of `report_fields.FIELDS`.
+
+The rows are labelled with the fields' labels (the key without its unit), so the table, the JSON
+and the logged ``stream/<key>`` scalars share one vocabulary (docs/design.md section 4). Under
+the table: the ceiling's formula, the run's notes, and the report's ``advice`` when it has any.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .report_fields import FIELDS, SHARDED_ONLY
+
+LABEL_WIDTH = max(len(f.label) for f in FIELDS) + 2
+CELL_WIDTH = 12
+
+
+def _cell(value: Any, unit: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return f"{100 * value:.1f} %" if unit == "ratio" else f"{value:.2f} ms"
+
+
+def format_advice(advice: list[dict] | None) -> list[str]:
+    """One line per piece of advice: ``advice: set <setting>=<value>: <reason> (predicted <x> ms)``."""
+    lines = []
+    for a in advice or ():
+        predicted = a.get("predicted_step_ms")
+        tail = f" (predicted {predicted:.2f} ms)" if isinstance(predicted, (int, float)) else ""
+        lines.append(f"  advice: set {a.get('setting')}={a.get('value')}: {a.get('reason', '')}{tail}")
+    return lines
+
+
+def format_report(report: dict[str, Any], title: str = "hfstream step report") -> str:
+    """A short, aligned text table of a `summarize` result, or of a report (``mean``, ``per_rank``).
+
+    Fields of ``grad_sync="sharded"`` are shown only where some rank has them. A report's ``notes``
+    and ``advice`` follow the table, one line each.
+    """
+    if not report:
+        return f"{title}: no steps measured"
+    per_rank = report.get("per_rank") if isinstance(report.get("per_rank"), list) else None
+    mean = report.get("mean", report)
+    lines = [f"{title} (mean of {int(mean.get('steps', 0))} steps after warm-up"
+             + (f", {len(per_rank)} ranks)" if per_rank else ")")]
+    if per_rank:
+        lines.append(f"  {'':<{LABEL_WIDTH}}{'mean':>{CELL_WIDTH}}"
+                     + "".join(f"{'rank ' + str(i):>{CELL_WIDTH}}" for i in range(len(per_rank))))
+    rows = [mean, *(per_rank or ())]
+    sharded = any(key in r and not math.isnan(r[key]) for r in rows for key in SHARDED_ONLY)
+    for f in FIELDS:
+        if f.key in SHARDED_ONLY and not sharded:
+            continue   # other modes have no all-gather: the rows are not shown
+        cells = [_cell(r.get(f.key, math.nan), f.unit) for r in rows]
+        lines.append(f"  {f.label:<{LABEL_WIDTH}}" + "".join(f"{c:>{CELL_WIDTH}}" for c in cells))
+    if sharded:
+        lines.append("  ideal = forward + max(backward, comm busy) + optimizer (DDP's ceiling); cross-step limit = "
+                     "max(forward + backward + optimizer, comm busy); efficiency = cross-step limit / step")
+    else:
+        lines.append("  ideal = forward + max(backward, comm busy) + optimizer (the ceiling); efficiency = ideal / step")
+    for note in report.get("notes") or ():
+        lines.append(f"  note: {note}")
+    lines += format_advice(report.get("advice"))
+    return "\n".join(lines)
