@@ -39,7 +39,8 @@ def test_sharded_schedule_by_hand(capsys):
 @pytest.mark.parametrize("model,cfg", SETTINGS, ids=[str(m) for m, _ in SETTINGS])
 def test_sharded_step_is_bounded_by_its_limit_and_carries_the_all_reduce_bytes(model, cfg):
     shape = P.load_model(model) if isinstance(model, str) else P.shape_from_params(model)
-    doc = P.plan(shape, P.PlanConfig(**cfg))
+    # The same buckets in both modes (no last bucket of sharded's own), to compare them.
+    doc = P.plan(shape, P.PlanConfig(**cfg, sharded_last_bucket_mb=None))
     for r in doc["rows"]:
         n = r["world_size"]
         # The two halves carry what the ring all-reduce carries, latency included.
@@ -56,7 +57,7 @@ def test_sharded_step_is_bounded_by_its_limit_and_carries_the_all_reduce_bytes(m
 
 
 def test_table_says_where_sharded_beats_overlap(capsys):
-    assert P.main(["--model", "gpt2-124m", "--world-sizes", "1,2,8,64"]) == 0
+    assert P.main(["--model", "gpt2-124m", "--world-sizes", "1,2,8,64", "--wide"]) == 0
     out = capsys.readouterr().out
     assert "step shard" in out and "limit" in out
     doc = P.plan(P.load_model("gpt2-124m"), P.PlanConfig(world_sizes=(1, 2, 8, 64)))
@@ -66,7 +67,7 @@ def test_table_says_where_sharded_beats_overlap(capsys):
     assert ("beats overlap at none" in line) == (not wins)
     # One bucket: nothing overlaps in either mode (the gather before the forward, the reduce-scatter
     # after backward), so sharded gains exactly the optimizer's (N-1)/N, and nothing without one.
-    one = dict(bucket_mb=math.inf, world_sizes=(2, 8))
+    one = dict(bucket_mb=math.inf, sharded_last_bucket_mb=None, world_sizes=(2, 8))
     doc = P.plan(P.load_model("gpt2-124m"), P.PlanConfig(**one))
     for r in doc["rows"]:
         n = r["world_size"]
@@ -74,6 +75,30 @@ def test_table_says_where_sharded_beats_overlap(capsys):
     free = P.plan(P.load_model("gpt2-124m"), P.PlanConfig(optimizer_bytes_per_param=0, **one))
     assert free["sharded_beats_overlap_at"] == []
     assert "beats overlap at none" in P.format_plan_table(free)
+
+
+def test_the_end_of_backward_cut_finer_shortens_what_is_left_after_backward():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hfstream.gradsync import plan_buckets
+    # GPT-2 4x384 with a small vocabulary (the bench's): at 8 MiB, block 0 is one 9 MiB bucket
+    # that becomes ready at the very end of backward; cut at 1 MiB, only the embeddings are left.
+    config = GPT2Config(vocab_size=512, n_positions=128, n_embd=384, n_layer=4, n_head=6)
+    shape = P.shape_from_config(config.to_dict())
+    base = dict(bucket_mb=8.0, world_sizes=(2,), link_gbs=0.125, compute_tflops=0.02, tokens_per_device=512)
+    cut = P.plan(shape, P.PlanConfig(**base))["rows"][0]
+    uncut = P.plan(shape, P.PlanConfig(**base, sharded_last_bucket_mb=None))["rows"][0]
+    assert cut["reduce_scatter_exposed_ms"] < 0.5 * uncut["reduce_scatter_exposed_ms"]
+    assert cut["step_sharded_ms"] < uncut["step_sharded_ms"]
+    # The planner cuts from counts what plan_buckets cuts from the model's tensors.
+    named = list(GPT2LMHeadModel(config).named_parameters())
+    for cap in (1.0, 2.0, 8.0):
+        planned = [b.nbytes for b in plan_buckets(named, cap, None, 1.0)]
+        predicted = [b for b, _ in P.predict_buckets(shape, 4, cap, None, 1.0)]
+        assert predicted == pytest.approx(planned), cap
+        assert planned[-1] <= MiB
+    assert len(plan_buckets(named, 8.0, None, 1.0)) > len(plan_buckets(named, 8.0))
+    assert len(plan_buckets(named, math.inf, None, 1.0)) == 1   # one bucket stays one
 
 
 def test_compare_predicts_a_sharded_run_and_leaves_fsdp2_out():

@@ -19,6 +19,12 @@ The plan follows PyTorch DDP's reducer (``compute_bucket_assignment_by_size``; L
 - the first bucket of each (dtype, device) may have a cap of its own, ``first_bucket_mb``
   (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, under its default cap): the gradients of the
   last layers then leave as soon as they exist instead of waiting for a whole bucket's worth;
+- the end of backward's order may be cut finer, ``last_bucket_mb`` (hfstream's, DDP has none):
+  the gradients backward produces last, up to one bucket's worth (at most ``bucket_mb``), go in
+  buckets of ``last_bucket_mb``. What is left to reduce after backward is then one small
+  bucket, not a whole one (sharded mode's default, where that tail is all the step cannot
+  hide): DDP's small first bucket, applied to the other end. Those are cut first; the rest is
+  filled as above. With ``bucket_mb=inf`` (one bucket) there is no tail to cut;
 - the buckets are ordered by their first parameter, i.e. by when they are expected to be ready.
   Every rank computes the same plan from the same model, which is what lets all ranks launch
   the same collectives in the same order.
@@ -78,7 +84,7 @@ def bucket_cap_bytes(bucket_mb: float, argument: str = "bucket_mb") -> float:
 
 
 def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_mb: float,
-                 first_bucket_mb: float | None = None) -> list[Bucket]:
+                 first_bucket_mb: float | None = None, last_bucket_mb: float | None = None) -> list[Bucket]:
     """Group tensors into buckets that close once they reach ``bucket_mb`` MiB, in reverse order.
 
     The assignment is DDP's (``torch.distributed._compute_bucket_assignment_by_size``): take the
@@ -93,6 +99,8 @@ def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_mb: f
             ``float('inf')`` gives one bucket per (dtype, device).
         first_bucket_mb: cap of the first bucket of each (dtype, device), the one that holds the
             gradients backward produces first; None = ``bucket_mb``.
+        last_bucket_mb: cap of the buckets backward fills last: the end of backward's order, up
+            to at most one bucket's worth (``bucket_mb``), is cut at this cap; None = not cut.
 
     Returns:
         The buckets in launch order (by the position of their first tensor in reverse order).
@@ -104,14 +112,37 @@ def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_mb: f
     [('b.weight', 'a.bias', 'a.weight')]
     >>> [b.names for b in plan_buckets(layers, bucket_mb=64 / 2**20)]   # 64 B: b.weight alone reaches it
     [('b.weight',), ('a.bias', 'a.weight')]
+    >>> [b.names for b in plan_buckets(layers, bucket_mb=96 / 2**20)]   # 96 B: a.weight is left alone
+    [('b.weight', 'a.bias', 'a.weight')]
+    >>> [b.names for b in plan_buckets(layers, bucket_mb=96 / 2**20, last_bucket_mb=0)]   # the last 80 B cut finer
+    [('b.weight',), ('a.bias',), ('a.weight',)]
     """
     cap = bucket_cap_bytes(bucket_mb)
     first_cap = cap if first_bucket_mb is None else bucket_cap_bytes(first_bucket_mb, "first_bucket_mb")
+    sequence = list(reversed(list(named_tensors)))   # backward's order
+    tail: dict[tuple[torch.dtype, torch.device], list[tuple[int, str, torch.Tensor]]] = {}
+    last_cap = None if last_bucket_mb is None else bucket_cap_bytes(last_bucket_mb, "last_bucket_mb")
+    if last_cap is not None and math.isfinite(cap):
+        tail_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
+        full: set[tuple[torch.dtype, torch.device]] = set()
+        for order in reversed(range(len(sequence))):   # from the end of backward: one bucket's worth
+            name, tensor = sequence[order]
+            key, nbytes = (tensor.dtype, tensor.device), tensor.numel() * tensor.element_size()
+            if key in full:
+                continue
+            if key in tail and tail_bytes[key] + nbytes > cap:
+                full.add(key)
+                continue
+            tail.setdefault(key, []).insert(0, (order, name, tensor))
+            tail_bytes[key] = tail_bytes.get(key, 0) + nbytes
+    in_tail = {id(t) for members in tail.values() for _, _, t in members}
     open_buckets: dict[tuple[torch.dtype, torch.device], list[tuple[int, str, torch.Tensor]]] = {}
     open_bytes: dict[tuple[torch.dtype, torch.device], int] = {}
     closed_keys: set[tuple[torch.dtype, torch.device]] = set()   # keys whose first bucket is closed
     closed: list[list[tuple[int, str, torch.Tensor]]] = []
-    for order, (name, tensor) in enumerate(reversed(list(named_tensors))):
+    for order, (name, tensor) in enumerate(sequence):
+        if id(tensor) in in_tail:
+            continue
         key = (tensor.dtype, tensor.device)
         members = open_buckets.setdefault(key, [])
         members.append((order, name, tensor))
@@ -123,6 +154,16 @@ def plan_buckets(named_tensors: Sequence[tuple[str, torch.Tensor]], bucket_mb: f
             closed_keys.add(key)
             open_buckets[key], open_bytes[key] = [], 0
     closed.extend(m for m in open_buckets.values() if m)
+    for members in tail.values():   # the tail in buckets of last_bucket_mb, the usual closing rule
+        size, current = 0, []
+        for member in members:
+            current.append(member)
+            size += member[2].numel() * member[2].element_size()
+            if size >= last_cap:
+                closed.append(current)
+                size, current = 0, []
+        if current:
+            closed.append(current)
     # Interleave the (dtype, device) streams by expected readiness: the bucket whose first
     # gradient comes earliest in backward goes first.
     closed.sort(key=lambda members: members[0][0])

@@ -40,7 +40,8 @@ def comm_dtype_name(value, argument: str = "comm_dtype") -> str | None:
     )
 
 
-def check_arguments(mode: str, bucket_mb, first_bucket_mb, comm_stream_priority: str, timeout) -> None:
+def check_arguments(mode: str, bucket_mb, first_bucket_mb, comm_stream_priority: str, timeout,
+                    last_bucket_mb=None) -> None:
     """Raise a `ValueError` naming the first GradSync argument that is not valid, and what to pass instead."""
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not valid; accepted values: 'overlap' (reduce during backward), "
@@ -53,6 +54,8 @@ def check_arguments(mode: str, bucket_mb, first_bucket_mb, comm_stream_priority:
             raise ValueError(f"{exc}, or 'auto' (tuned online in the first steps)") from None
     if first_bucket_mb is not None:
         bucket_cap_bytes(first_bucket_mb, "first_bucket_mb")
+    if last_bucket_mb is not None:
+        bucket_cap_bytes(last_bucket_mb, "last_bucket_mb")
     if comm_stream_priority not in STREAM_PRIORITIES:
         raise ValueError(f"comm_stream_priority={comm_stream_priority!r} is not valid; accepted values: "
                          f"{', '.join(map(repr, STREAM_PRIORITIES))}")

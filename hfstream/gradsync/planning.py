@@ -25,7 +25,7 @@ class Planner:
 
     Args:
         hooked: ``(name, parameter)`` GradSync hooks, in registration order.
-        bucket_mb, first_bucket_mb: GradSync's arguments (``bucket_mb`` may be ``"auto"``).
+        bucket_mb, first_bucket_mb, last_bucket_mb: GradSync's arguments (``bucket_mb`` may be ``"auto"``).
         group: the process group (``"auto"`` agrees on its choice over it); None with one process.
         tune_whole_step: ``"auto"`` scores whole steps, not backward and finish() alone (`tune`).
 
@@ -35,8 +35,10 @@ class Planner:
         arrival: the order gradients arrive in, recorded in the first synchronised step.
     """
 
-    def __init__(self, hooked, bucket_mb, first_bucket_mb, group, tune_whole_step: bool = False):
+    def __init__(self, hooked, bucket_mb, first_bucket_mb, group, tune_whole_step: bool = False,
+                 last_bucket_mb: float | None = None):
         self.hooked, self.first_bucket_mb, self.group = hooked, first_bucket_mb, group
+        self.last_bucket_mb = last_bucket_mb
         self.device = hooked[-1][1].device if hooked else torch.device("cpu")   # where agreements travel
         self._named = list(hooked)   # what the planner walks (backwards): registration order at first
         self.arrival = ArrivalOrder(len(hooked))
@@ -56,7 +58,8 @@ class Planner:
         return self._auto.tuner if self._auto is not None else None
 
     def plan(self, cap_mb: float | None = None) -> list[Bucket]:
-        return plan_buckets(self._named, self.planned_mb if cap_mb is None else cap_mb, self.first_bucket_mb)
+        return plan_buckets(self._named, self.planned_mb if cap_mb is None else cap_mb, self.first_bucket_mb,
+                            self.last_bucket_mb)
 
     def gradient_arrived(self, i: int, param: torch.Tensor, first_of_step: bool) -> None:
         if first_of_step and self._auto is not None:

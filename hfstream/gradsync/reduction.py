@@ -71,6 +71,7 @@ class Reduction:
 
     launch_from_hooks = True   # False: every bucket waits for finish() (mode="serial")
     tune_whole_step = False    # bucket_mb="auto" scores whole steps: the cap changes forward and step too
+    last_bucket_mb = None      # GradSync's default last_bucket_mb: None = no separate last bucket
 
     def __init__(self, wiring: Wiring):
         self.wiring = wiring

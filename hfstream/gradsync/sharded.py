@@ -50,6 +50,9 @@ class ShardedReduction(Reduction):
     """
 
     tune_whole_step = True   # the cap changes the forward's waits and the bucket-by-bucket step too
+    # What is left after backward is the last bucket's reduce-scatter: a small one keeps that
+    # tail short (DDP's small first bucket, at the other end). 1 MiB, as DDP's first.
+    last_bucket_mb = 1.0
 
     def __init__(self, wiring: Wiring):
         super().__init__(wiring)

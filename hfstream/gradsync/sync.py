@@ -80,6 +80,9 @@ class GradSync:
             the gradient's precision, the sum runs in ``comm_dtype``, the mean is cast back.
         comm_stream_priority: of the side stream collectives are issued on (`comm_streams`).
         first_bucket_mb: cap of the bucket backward fills first; None = ``bucket_mb``.
+        last_bucket_mb: cap of the buckets backward fills last (its last ``bucket_mb`` worth),
+            whose reduction is what is left after backward (`buckets`); None = the mode's
+            default: 1 MiB in sharded mode, not cut otherwise (as DDP).
         timeout: seconds a wait may take before it raises, naming what did not complete (default
             1800, torch's; the Trainer passes ``ddp_timeout``; `faults`).
         broadcast_buffers: copy rank 0's buffers before each training forward (DDP's option);
@@ -106,10 +109,11 @@ class GradSync:
     def __init__(self, model: torch.nn.Module, bucket_mb: float | str = DEFAULT_BUCKET_MB, mode: str = "overlap",
                  process_group: dist.ProcessGroup | None = None, comm_dtype: str | torch.dtype | None = None,
                  comm_stream_priority: str = "high", first_bucket_mb: float | None = None,
-                 timeout: float | None = None, broadcast_buffers: bool = False):
+                 timeout: float | None = None, broadcast_buffers: bool = False,
+                 last_bucket_mb: float | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        check_arguments(mode, bucket_mb, first_bucket_mb, comm_stream_priority, timeout)
+        check_arguments(mode, bucket_mb, first_bucket_mb, comm_stream_priority, timeout, last_bucket_mb)
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
         wire = comm_dtype_name(comm_dtype)
@@ -142,8 +146,9 @@ class GradSync:
                               self._recorder, self._comm_streams, self._say)
         self.reduction: Reduction = (ShardedReduction(self._wiring) if mode == "sharded"
                                      else AllReduce(self._wiring, serial=mode == "serial"))
+        self.last_bucket_mb = self.reduction.last_bucket_mb if last_bucket_mb is None else last_bucket_mb
         self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None,
-                                tune_whole_step=self.reduction.tune_whole_step)
+                                tune_whole_step=self.reduction.tune_whole_step, last_bucket_mb=self.last_bucket_mb)
         self._steps = 0                         # synchronised steps finished
         self._overlap = OverlapCheck()         # says once when reductions could not overlap backward
         self.buckets: list[Bucket] = self._planner.plan()

@@ -50,12 +50,14 @@ from dataclasses import dataclass
 
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.gradsync.buckets import MiB
+from hfstream.gradsync.sharded import ShardedReduction
 from hfstream.timeline import cross_step_limit
 
-from .shapes import ModelShape
+from .shapes import ModelShape, shape_from_params
 
 DEFAULT_WORLD_SIZES = tuple(2**i for i in range(11))   # 1, 2, 4, ..., 1024
 DDP_FIRST_BUCKET_MB = 1.0   # DDP's first bucket (_DEFAULT_FIRST_BUCKET_BYTES) when bucket_cap_mb is not given
+SHARDED_LAST_BUCKET_MB = ShardedReduction.last_bucket_mb   # GradSync's default in sharded mode
 
 
 # =============================================================================================
@@ -63,7 +65,8 @@ DDP_FIRST_BUCKET_MB = 1.0   # DDP's first bucket (_DEFAULT_FIRST_BUCKET_BYTES) w
 # =============================================================================================
 
 def predict_buckets(shape: ModelShape, grad_bytes: int, bucket_mb: float,
-                    first_bucket_mb: float | None = None) -> list[tuple[float, float]]:
+                    first_bucket_mb: float | None = None,
+                    last_bucket_mb: float | None = None) -> list[tuple[float, float]]:
     """``(bytes, ready)`` per bucket in launch order; ``ready`` is the fraction of backward done
     when the bucket's last gradient exists.
 
@@ -78,7 +81,11 @@ def predict_buckets(shape: ModelShape, grad_bytes: int, bucket_mb: float,
     Args:
         bucket_mb: cap in MiB; 0 = one tensor per bucket (needs tensors); inf = one bucket.
         first_bucket_mb: a smaller cap for the first bucket (DDP's default 1 MiB), or None.
+        last_bucket_mb: the cap the end of backward's order (at most one bucket's worth) is cut
+            at (sharded mode's default 1 MiB, `hfstream.gradsync.plan_buckets`); or None.
     """
+    if last_bucket_mb is not None:
+        return _with_last_bucket(shape, grad_bytes, bucket_mb, first_bucket_mb, last_bucket_mb)
     total = shape.params * grad_bytes
     first = bucket_mb if first_bucket_mb is None else first_bucket_mb
     if not shape.tensors:
@@ -104,6 +111,55 @@ def predict_buckets(shape: ModelShape, grad_bytes: int, bucket_mb: float,
         ready = 1.0 if kind == "tied" else flops_done / flop_total
         size += n * grad_bytes
         if size >= cap:             # DDP's rule: close once the cap is reached
+            out.append((size, ready))
+            size, cap = 0.0, bucket_mb * MiB
+    if size:
+        out.append((size, ready))
+    return out
+
+
+def _with_last_bucket(shape: ModelShape, grad_bytes: int, bucket_mb: float, first_bucket_mb: float | None,
+                      last_mb: float) -> list[tuple[float, float]]:
+    """`predict_buckets` with the end of backward cut finer (`hfstream.gradsync.plan_buckets`' cut):
+    the registration order's first tensors, at most ``bucket_mb`` of them, in buckets of ``last_mb``."""
+    cap = bucket_mb * MiB
+    if not math.isfinite(cap):
+        return predict_buckets(shape, grad_bytes, bucket_mb, first_bucket_mb)
+    if not shape.tensors:   # equal slices: the last bucket's worth in pieces of last_mb, ready as their bytes
+        whole = predict_buckets(shape, grad_bytes, bucket_mb, first_bucket_mb)
+        *head, (tail_bytes, _) = whole
+        start = head[-1][1] if head else 0.0
+        total, out, done = shape.params * grad_bytes, list(head), 0.0
+        piece = last_mb * MiB if last_mb > 0 else tail_bytes
+        while tail_bytes - done > 1e-6:
+            b = min(piece, tail_bytes - done)
+            done += b
+            out.append((b, start + (1.0 - start) * done / tail_bytes))
+        return out if total else whole
+    # Each tensor's readiness in backward order, as predict_buckets computes it.
+    flop_total = sum(n for _, n, kind in shape.tensors if kind != "lookup") or 1
+    flops_done = sum(n for _, n, kind in shape.tensors if kind == "tied")
+    order = []
+    for _, n, kind in reversed(shape.tensors):
+        if kind == "dense":
+            flops_done += n
+        order.append((n * grad_bytes, 1.0 if kind == "tied" else flops_done / flop_total))
+    size, taken = 0.0, 0
+    for nbytes, _ in reversed(order):   # from the end of backward, at most one bucket's worth
+        if taken and size + nbytes > cap:
+            break
+        size, taken = size + nbytes, taken + 1
+    head, tail = order[:len(order) - taken], order[len(order) - taken:]
+    return _cut(head, bucket_mb, first_bucket_mb) + _cut(tail, last_mb, None)
+
+
+def _cut(tensors: list[tuple[float, float]], bucket_mb: float, first_bucket_mb: float | None) -> list[tuple[float, float]]:
+    """DDP's rule over ``(bytes, ready)`` in backward order: a bucket closes once it reaches its cap."""
+    out, size, ready = [], 0.0, 0.0
+    cap = (bucket_mb if first_bucket_mb is None else first_bucket_mb) * MiB
+    for nbytes, ready in tensors:
+        size += nbytes
+        if size >= cap:
             out.append((size, ready))
             size, cap = 0.0, bucket_mb * MiB
     if size:
@@ -143,6 +199,8 @@ class PlanConfig:
     """Gradient bucket cap in MiB (GradSync's and DDP's default 25); 0 = per tensor; inf = one bucket."""
     first_bucket_mb: float | None = None
     """A smaller first bucket in MiB (DDP uses 1 when bucket_cap_mb is not given); None = bucket_mb."""
+    sharded_last_bucket_mb: float | None = SHARDED_LAST_BUCKET_MB
+    """Sharded mode's cap for the buckets backward fills last (GradSync's default 1 MiB); None = not cut."""
     world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
     """The world sizes to predict."""
 
@@ -237,7 +295,9 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     opt = shape.params * cfg.optimizer_bytes_per_param / (cfg.mem_bandwidth_gbs * 1e9) * 1e3
     times = [allreduce_s(b, world_size, cfg.link_gbs, cfg.latency_us) * 1e3 for b, _ in buckets]
     busy = sum(times)
-    sharded = predict_sharded(buckets, world_size, cfg, fwd, bwd, opt)
+    sharded_buckets = buckets if cfg.sharded_last_bucket_mb is None else predict_buckets(
+        shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb, cfg.sharded_last_bucket_mb)
+    sharded = predict_sharded(sharded_buckets, world_size, cfg, fwd, bwd, opt)
     # Overlap: one reduction at a time on the link, each starting when its bucket is ready.
     end = 0.0
     for t, (_, ready) in zip(times, buckets):
