@@ -341,3 +341,13 @@ def test_spans_are_placed_from_one_reference_per_step(monkeypatch):
     (rec,) = tl.records
     assert rec.comm_busy_ms == pytest.approx(20.0) and rec.exposed_comm_ms == 5.0 and rec.step_ms == 40.0
     assert gpu.waits == 0
+
+
+def test_design_doc_names_every_field_of_the_report():
+    """docs/design.md section 4 maps each name to its meaning: every key, as the table prints it."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = doc[doc.index("## 4. "):doc.index("## 5. ")]
+    for f in FIELDS:
+        assert f"| `{f.key}` | {f.label} |" in section, f.key
