@@ -246,10 +246,13 @@ print(f"(two launches took {time.perf_counter() - t0:.1f} s)")
 #
 # - `data wait`: the step waited for its batch — prefetching should make it ~0 (lesson 03);
 # - `forward`, `backward`, `optimizer`: the work itself;
-# - `comm busy`: how long at least one reduction was on the wire; `comm exposed`: how long the step
+# - `comm busy`: how long at least one reduction was on the wire; `exposed comm`: how long the step
 #   waited in `finish()` for them — the part backward did not hide (lessons 05, 06);
-# - `ceiling = forward + max(backward, comm busy) + optimizer` and `efficiency = ceiling / step`
-#   (lesson 00); `overlap = 1 − exposed / busy`.
+# - `ideal = forward + max(backward, comm busy) + optimizer`, the ceiling, and
+#   `efficiency = ideal / step` (lesson 00); `overlap = 1 − exposed comm / comm busy`.
+#
+# A row's label is its key without the unit: `exposed comm` is `report["mean"]["exposed_comm_ms"]`,
+# and the Trainer logs it as `stream/exposed_comm_ms` (TensorBoard shows `train/stream/exposed_comm_ms`).
 #
 # What the parts do not account for — the step time minus data wait, forward, backward, exposed
 # communication and optimizer — is Python and Trainer work between the measured phases: callbacks,
