@@ -52,7 +52,7 @@ def test_comm_time_in_the_table_matches_the_hand_computation(capsys):
     # N = 4: 2(N-1)/N = 1.5; 1.5 x 4e9 B / 10 GB/s = 600 ms, plus 153 buckets x 2(N-1) = 6
     # ring steps x 10 us = 9.18 ms: 609.18 ms.
     rc = P.main(["--params", "1e9", "--grad-bytes", "4", "--bucket-mb", "25", "--link-gbs", "10",
-                 "--latency-us", "10", "--world-sizes", "1,4"])
+                 "--latency-us", "10", "--world-sizes", "1,4", "--wide"])
     out = capsys.readouterr().out
     assert rc == 0
     line = next(ln for ln in out.splitlines() if ln.split() and ln.split()[0] == "4")

@@ -243,4 +243,4 @@ def test_torch_compile_trains_and_says_once_that_its_backward_gives_up_overlap(t
     for notes, text in run_distributed(_compiled, 2, str(tmp_path), init_process_group=False, timeout=600):
         lost = [n for n in notes if "overlap lost" in n]
         assert len(lost) == 1 and "at once" in lost[0] and "torch.compile" in lost[0], notes
-        assert "note: GradSync: overlap lost" in text
+        assert "note: GradSync(mode='overlap'): overlap lost" in text

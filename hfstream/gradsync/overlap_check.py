@@ -12,16 +12,33 @@ synchronised steps in a row (one odd step of a tiny model is not a pattern):
 
 from __future__ import annotations
 
+import sys
 import time
 
 NO_SPREAD = 0.02    # gradients within this fraction of a step arrived "at once"
 SUSPECT_STEPS = 3   # consecutive synchronised steps before overlap is reported lost
 
 
-class OverlapCheck:
-    """Fed host times during each synchronised step; `step_done` returns the note to say (once), else None."""
+def anything_compiled() -> bool:
+    """Whether torch.compile (Dynamo) compiled a frame in this process; False where it was never used."""
+    dynamo = sys.modules.get("torch._dynamo")   # imported by transformers whether or not anything compiles
+    if dynamo is None:
+        return False
+    try:
+        return dynamo.utils.counters["frames"]["ok"] > 0   # private counters: a hint, not worth an error
+    except Exception:
+        return False
 
-    def __init__(self):
+
+class OverlapCheck:
+    """Fed host times during each synchronised step; `step_done` returns the note to say (once), else None.
+
+    Args:
+        mode: GradSync's mode, named in the note (a benchmark runs several side by side).
+    """
+
+    def __init__(self, mode: str = "overlap"):
+        self.mode = mode
         self._suspect = 0
         self.said = False
         self.reset()
@@ -50,12 +67,23 @@ class OverlapCheck:
             why = (f"no bucket was launched while backward ran: all {len(buckets)} waited for finish() "
                    f"(the first bucket, {', '.join(buckets[0].names[:4])}, never completed in backward)")
         elif t_forward is not None and spread is not None and spread < NO_SPREAD * (t_enter - t_forward):
-            why = (f"every gradient arrived at once, at the end of backward ({max(spread, 0) * 1e3:.2f} ms "
-                   f"apart in a {(t_enter - t_forward) * 1e3:.1f} ms step): the backward returns all gradients "
-                   f"together, as a compiled model (torch.compile) does without graph breaks at bucket boundaries; "
-                   f"grad_sync='native' gets DDP's graph splitting")
+            at_once = (f"every gradient arrived at once, at the end of backward ({max(spread, 0) * 1e3:.2f} ms "
+                       f"apart in a {(t_enter - t_forward) * 1e3:.1f} ms step, launches excluded)")
+            if anything_compiled():
+                why = (f"{at_once}: the backward returns all gradients together, as a compiled model "
+                       f"(torch.compile) does without graph breaks at bucket boundaries; grad_sync='native' gets "
+                       f"DDP's graph splitting")
+            else:
+                # Eager autograd runs each parameter's hook as soon as its gradient is ready; gradients
+                # bunch up when the compute between them is tiny next to the step (a small model, or
+                # time spent outside the backward's kernels) or the time between them went to launching.
+                why = (f"{at_once}; nothing is compiled, so the backward had almost no compute between the "
+                       f"first and the last gradient to hide the reductions behind ({self.launching_s * 1e3:.2f} "
+                       f"ms of it went to launching {len(buckets)} buckets): a model this small gains nothing "
+                       f"from overlap, fewer buckets (a larger grad_bucket_mb) launch less")
         self._suspect = self._suspect + 1 if why else 0
         if self._suspect < SUSPECT_STEPS:
             return None
         self.said = True
-        return f"GradSync: overlap lost in synchronised steps {step - SUSPECT_STEPS + 1}-{step}: {why}."
+        return (f"GradSync(mode={self.mode!r}): overlap lost in synchronised steps {step - SUSPECT_STEPS + 1}-{step}: "
+                f"{why}.")

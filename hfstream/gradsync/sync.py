@@ -150,7 +150,7 @@ class GradSync:
         self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None,
                                 tune_whole_step=self.reduction.tune_whole_step, last_bucket_mb=self.last_bucket_mb)
         self._steps = 0                         # synchronised steps finished
-        self._overlap = OverlapCheck()         # says once when reductions could not overlap backward
+        self._overlap = OverlapCheck(mode)     # says once when reductions could not overlap backward
         self.buckets: list[Bucket] = self._planner.plan()
         self._reset_step()
         if self._active:

@@ -50,18 +50,36 @@ def plot_breakdown(report: dict[str, Any], path: str | os.PathLike, title: str =
 
 
 def plot_loss(log_history: Sequence[dict[str, Any]], path: str | os.PathLike, title: str = "training loss") -> Path:
-    """Training (and, where logged, evaluation) loss against the optimizer step."""
+    """Training (and, where logged, evaluation) loss against the optimizer step.
+
+    A run shorter than ``logging_steps`` logs no per-step loss, only the mean over the run
+    (``train_loss``) when ``train()`` ends: that mean is drawn as one point at the last step, and
+    the figure says why there is no curve. With nothing at all to draw it says that instead.
+    """
     train = [(h["step"], h["loss"]) for h in log_history if "loss" in h and "step" in h]
     evals = [(h["step"], h["eval_loss"]) for h in log_history if "eval_loss" in h and "step" in h]
+    summary = next((h for h in reversed(log_history) if "train_loss" in h), None)
     fig, ax = _subplots((5.5, 3.6))
+    note = None
     if train:
-        ax.plot(*zip(*train), label="train", color="#4c72b0")
+        ax.plot(*zip(*train), "o-" if len(train) < 3 else "-", label="train", color="#4c72b0")
+    elif summary is not None:
+        step = summary.get("step", 0)
+        ax.plot([step], [summary["train_loss"]], "o", label="train (mean over the run)", color="#4c72b0")
+        ax.set_xlim(0, max(step, 1) * 1.1)
+        note = (f"no per-step loss was logged: the run's {step} step(s) ended before the first\n"
+                f"logging step; set logging_steps <= {max(step, 1)} for a curve")
+    else:
+        note = "no loss in the log history: nothing was trained or logged"
     if evals:
         ax.plot(*zip(*evals), "o-", label="eval", color="#c44e52")
+    if note:
+        ax.text(0.5, 0.06, note, transform=ax.transAxes, ha="center", va="bottom", fontsize=8, color="#555555")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.set_title(title)
-    ax.legend()
+    if train or evals or summary is not None:
+        ax.legend()
     fig.tight_layout()
     return _save(fig, path)
 

@@ -8,8 +8,10 @@ The command line of `hfstream bench` (``python -m hfstream.tools.bench`` takes t
     sudo python -m hfstream.tools.bench --n-layer 4 --modes serial,ddp-best,overlap-auto,fsdp2-best,sharded,sharded-best
 
 Run it on an otherwise idle machine: with one core per rank, any other job takes compute time
-from a rank. The ``cpu fwd/bwd`` column (the share of a core each rank's compute thread got)
-says whether that happened; ``gloo cpu`` is what the rank's communication threads used.
+from a rank. When the load average during the run exceeds 1.25 per core the targets say
+"unreliable: the machine is loaded" instead of met or MISSED. With ``--wide`` the ``cpu fwd/bwd``
+column (the share of a core each rank's compute thread got) says how much was taken; ``gloo
+cpu`` is what the rank's communication threads used.
 """
 
 from __future__ import annotations
@@ -103,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-s", type=_positive(float), default=None,
                         help="hard limit for the ranks (default 1800, quick 110)")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the results as JSON to FILE")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column (CPU shares, ratios to ddp-best and cross-step, optimizer state): "
+                             "about 140 columns instead of 100")
 
 
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
@@ -140,7 +145,7 @@ def run_from_args(ns: argparse.Namespace, argv: Sequence[str] | None = None) -> 
     except BenchError as exc:
         print(f"hfstream bench: error: {exc}", file=sys.stderr)
         return 2
-    print(format_bench_table(result))
+    print(format_bench_table(result, wide=bool(getattr(ns, "wide", False))))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -104,6 +105,7 @@ def run(steps: int = 40, warmup: int = 5, batch: int = 8, seq: int = 128, rounds
         out_dir: str = "runs/bench_prefetch") -> dict:
     """Measure compute alone, collate alone, stock Trainer and StreamTrainer (prefetch_depth=2)."""
     torch.set_num_threads(1)
+    load = [os.getloadavg()[0]]
     compute = statistics.median(_train(False, CostlyCollate(0), steps, out_dir, batch, seq)[warmup:]) * 1e3
     if rounds is None:      # calibrate: collate about as costly as a step
         per_round = (_collate_ms(CostlyCollate(20), batch, seq) - _collate_ms(CostlyCollate(0), batch, seq)) / 20
@@ -113,25 +115,43 @@ def run(steps: int = 40, warmup: int = 5, batch: int = 8, seq: int = 128, rounds
     stock = statistics.median(_train(False, collate, steps, out_dir, batch, seq)[warmup:]) * 1e3
     stream = statistics.median(_train(True, collate, steps, out_dir, batch, seq)[warmup:]) * 1e3
     bound = max(collate_ms, compute)
+    load.append(os.getloadavg()[0])
     return {"compute_ms": compute, "collate_ms": collate_ms, "collate_rounds": rounds,
             "stock_step_ms": stock, "prefetch_step_ms": stream,
             "stock_over_sum": stock / (collate_ms + compute), "prefetch_over_max": stream / bound,
             "speedup": stock / stream, "steps": steps, "warmup": warmup, "batch": batch, "seq": seq,
-            "torch": torch.__version__}
+            "torch": torch.__version__, **_load_fields(load)}
 
 
 def report_overhead(steps: int = 40, warmup: int = 5, repeats: int = 4, batch: int = 8, seq: int = 128,
                     out_dir: str = "runs/bench_report") -> dict:
     """Median step time with the step report on and off, runs alternated ``repeats`` times."""
     torch.set_num_threads(1)
+    load = [os.getloadavg()[0]]
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(repeats):
         for on in (False, True):
             kw = dict(prefetch_depth=0, grad_sync="native", stream_report=on)
             times[on] += _train(True, CostlyCollate(0), steps, out_dir, batch, seq, kw)[warmup:]
     off_ms, on_ms = statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
+    load.append(os.getloadavg()[0])
     return {"report_off_step_ms": off_ms, "report_on_step_ms": on_ms, "overhead": on_ms / off_ms - 1.0,
-            "steps_each": len(times[True]), "repeats": repeats, "torch": torch.__version__}
+            "steps_each": len(times[True]), "repeats": repeats, "torch": torch.__version__, **_load_fields(load)}
+
+
+def _load_fields(load: list[float]) -> dict:
+    """The load average at the start and the end, and whether it made the figures meaningless
+    (the rule of `hfstream bench`: `hfstream.tools.bench.summary.machine_loaded`)."""
+    from .summary import machine_loaded
+
+    return {"loadavg_1min": load, "cores": os.cpu_count() or 1, "loaded": machine_loaded(load, os.cpu_count() or 1)}
+
+
+def _say_if_loaded(r: dict) -> None:
+    from .summary import loaded_line
+
+    if r.get("loaded"):
+        print(loaded_line(r["loaded"]))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -155,6 +175,7 @@ def run_from_args(ns: argparse.Namespace, parser: argparse.ArgumentParser | None
         print(f"stream_report off    {r['report_off_step_ms']:8.2f} ms/step (median of {r['steps_each']} steps)")
         print(f"stream_report on     {r['report_on_step_ms']:8.2f} ms/step")
         print(f"overhead             {100 * r['overhead']:+8.2f} %")
+        _say_if_loaded(r)
     else:
         r = run(steps=ns.steps, warmup=ns.warmup, rounds=ns.rounds)
         _print_prefetch(r)
@@ -170,6 +191,7 @@ def _print_prefetch(r: dict) -> None:
     print(f"stock Trainer        {r['stock_step_ms']:8.1f} ms/step  = {r['stock_over_sum']:.2f} x (collate + compute)")
     print(f"StreamTrainer, d=2   {r['prefetch_step_ms']:8.1f} ms/step  = {r['prefetch_over_max']:.2f} x max(collate, compute)")
     print(f"speed-up             {r['speedup']:8.2f} x")
+    _say_if_loaded(r)
 
 
 def main(argv: list[str] | None = None) -> int:

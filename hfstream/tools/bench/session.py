@@ -38,6 +38,7 @@ from hfstream.gradsync import DDP_BUCKET_MB, GradSync, union_length
 from .config import MODES, BenchConfig, ModelSpec
 
 AUTO_TUNING_MAX_STEPS = 60   # bound on the extra warm-up an "auto" session takes to finish tuning
+AUTO_MODES = ("overlap-auto", "sharded")   # the compared modes whose GradSync runs bucket_mb="auto"
 
 
 def _build_model(spec: ModelSpec, seed: int):
@@ -88,22 +89,66 @@ def _timed_allreduce_hook(state: _CommTimer, bucket):
 
 
 class _Progress:
-    """Progress with an ETA on stderr, from rank 0, at most every couple of seconds."""
+    """Progress on stderr, from rank 0, at most every couple of seconds, with an honest ETA.
 
-    def __init__(self, total_steps: int, enabled: bool):
-        self.total, self.done, self.enabled = total_steps, 0, enabled
-        self.t0 = self.last = time.perf_counter()
+    The ETA is the steps left times the mean time of the steps measured so far (from the end of
+    the first step: the setup before it is not a step's cost), and "unknown" until `MIN_MEASURED`
+    steps have been. A session with ``bucket_mb="auto"`` tunes for a number of steps it decides
+    as it goes (at most `AUTO_TUNING_MAX_STEPS`): while one is pending the ETA is a lower bound.
+    """
+
+    MIN_MEASURED = 3
+
+    def __init__(self, total_steps: int, enabled: bool, tuning_sessions: int = 0, clock=time.perf_counter):
+        self.total, self.done, self.enabled, self.clock = total_steps, 0, enabled, clock
+        self.tuning_left = tuning_sessions   # "auto" sessions that have not finished tuning
+        self.measured = 0                    # steps timed since the first one ended (tuning steps too)
+        self.first_end = None
+        self.last = clock()
+
+    def _tick(self) -> float:
+        now = self.clock()
+        if self.first_end is None:
+            self.first_end = now
+        else:
+            self.measured += 1
+        return now
+
+    def tuning(self, label: str, i: int) -> None:
+        """One extra step of an "auto" session that is still choosing its bucket cap."""
+        now = self._tick()
+        if now - self.last >= 2.0:
+            self._say(label, "tuning", f"step {i:>3}/{AUTO_TUNING_MAX_STEPS} at most | ", now)
+
+    def tuned(self) -> None:
+        self.tuning_left = max(0, self.tuning_left - 1)
 
     def step(self, label: str, i: int, n: int, phase: str) -> None:
         self.done += 1
-        now = time.perf_counter()
-        if not self.enabled or (now - self.last < 2.0 and self.done < self.total):
+        now = self._tick()
+        if now - self.last < 2.0 and self.done < self.total:
+            return
+        self._say(label, phase, f"step {i:>3}/{n:<3} | ", now)
+
+    def eta(self) -> str:
+        left = self.total - self.done
+        if left == 0 and not self.tuning_left:
+            return "ETA 0s"
+        if self.measured < self.MIN_MEASURED:
+            return "ETA unknown (too few steps timed)"
+        per_step = (self.clock() - self.first_end) / self.measured
+        if self.tuning_left:
+            return (f"ETA at least {_fmt_s(per_step * left)} ({per_step:.2f} s/step; auto-tuning adds up to "
+                    f"{AUTO_TUNING_MAX_STEPS} steps per 'auto' session, {self.tuning_left} to go)")
+        return f"ETA {_fmt_s(per_step * left)} ({per_step:.2f} s/step)"
+
+    def _say(self, label: str, phase: str, where: str, now: float) -> None:
+        if not self.enabled:
             return
         self.last = now
-        elapsed = now - self.t0
-        eta = elapsed / self.done * (self.total - self.done)
-        print(f"[hfstream bench] {label:<13} {phase:<10} step {i:>3}/{n:<3} | {self.done}/{self.total} steps "
-              f"({100 * self.done / self.total:3.0f} %) | elapsed {_fmt_s(elapsed)} | ETA {_fmt_s(eta)}",
+        elapsed = now - (self.first_end if self.first_end is not None else now)
+        print(f"[hfstream bench] {label:<13} {phase:<10} {where}{self.done}/{self.total} steps "
+              f"({100 * self.done / self.total:3.0f} %) | {_fmt_s(elapsed)} since the first step | {self.eta()}",
               file=sys.stderr, flush=True)
 
 
@@ -257,6 +302,9 @@ def _run_interleaved(sessions: list[_Session], cfg: BenchConfig, batches: list, 
         while s.sync is not None and s.sync.tuning is not None and extra < AUTO_TUNING_MAX_STEPS:
             s.step(batches[s.steps % len(batches)], keep=False)
             extra += 1
+            progress.tuning(s.label, extra)
+        if s.bucket_mb == "auto":
+            progress.tuned()
     rounds = max(1, min(cfg.rounds, cfg.steps))
     for r in range(rounds):
         for s in sessions:
@@ -295,7 +343,7 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict
         sweep_runs += [("fsdp2", reshard, f"fsdp2@reshard={reshard}") for reshard in (True, False)]
     main_runs = [m for m in MODES if m in cfg.modes]
     total = (len(sweep_runs) + len(main_runs)) * (cfg.warmup + cfg.steps)
-    progress = _Progress(total, enabled=rank == 0)
+    progress = _Progress(total, enabled=rank == 0, tuning_sessions=sum(m in AUTO_MODES for m in main_runs))
 
     link = SimulatedLink(shaping["rate_mbit"], shaping["latency_ms"]) if shaping["kind"] == "simulated" else None
     sweep_results: dict[str, dict] = {}

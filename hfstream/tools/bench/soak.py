@@ -4,7 +4,9 @@ Two gloo processes train a tiny GPT-2 through `StreamTrainer` (overlap + prefetc
 ``--steps`` steps; every ``--every`` steps each rank samples its own resident set (VmRSS),
 thread count and open file descriptors from /proc. After the warm-up the three must stay
 flat: a leak in the prefetcher (threads, pinned buffers), the gradient buckets or the
-timeline's rings would show as a slope.
+timeline's rings would show as a slope. The output ends with a verdict, ``flat``, ``growing``
+(what grew, on which rank) or ``unknown`` (too few samples after the warm-up), and the
+thresholds it was judged by (`verdict`).
 
 ``--memory`` answers a second question with the same machinery: what GradSync's flat buckets
 cost next to DDP's. It trains a larger model for a few steps under ``grad_sync="overlap"`` and
@@ -100,8 +102,53 @@ def soak(steps: int = 2000, every: int = 100, warmup_steps: int = 200, samples_n
         table[r["rank"]] = {key: dict(zip(("after_warmup", "last", "slope_per_1000_steps"),
                                           _slope(r["samples"], key, warmup_steps)))
                             for key in ("rss_mib", "threads", "open_files")}
-    return {"steps": steps, "every": every, "warmup_steps": warmup_steps, "per_rank": table,
-            "samples": {r["rank"]: r["samples"] for r in ranks}}
+        table[r["rank"]]["judged_samples"] = sum(s["step"] >= warmup_steps for s in r["samples"])
+    doc = {"steps": steps, "every": every, "warmup_steps": warmup_steps, "per_rank": table,
+           "samples": {r["rank"]: r["samples"] for r in ranks}}
+    doc["verdict"] = verdict(table)
+    return doc
+
+
+# A leaked thread or file descriptor never comes back: any rise after the warm-up is growth.
+# The resident set moves with the allocator's caching; a leak shows as a steady slope that adds
+# up (a short run's slope alone is noise: 1 MiB over 40 steps is 25 MiB per 1000 steps).
+RSS_SLOPE_LIMIT_MIB = 10.0     # MiB per 1000 steps, least squares over the samples after the warm-up
+RSS_RISE_LIMIT_MIB = 4.0       # ... and the resident set rose by more than this after the warm-up
+MIN_JUDGED_SAMPLES = 3         # fewer samples after the warm-up: no verdict
+
+
+def verdict(per_rank: dict) -> dict:
+    """``flat``, ``growing`` (with what grew, on which rank) or ``unknown`` (too few samples), with the thresholds."""
+    thresholds = {"rss_mib_per_1000_steps": RSS_SLOPE_LIMIT_MIB, "rss_rise_mib": RSS_RISE_LIMIT_MIB,
+                  "threads": 0, "open_files": 0,
+                  "min_samples_after_warmup": MIN_JUDGED_SAMPLES}
+    if not per_rank:
+        return {"verdict": "unknown", "why": ["no rank reported samples"], "thresholds": thresholds}
+    few = [rank for rank, row in per_rank.items() if row.get("judged_samples", 0) < MIN_JUDGED_SAMPLES]
+    if few:
+        return {"verdict": "unknown", "thresholds": thresholds,
+                "why": [f"rank {rank}: fewer than {MIN_JUDGED_SAMPLES} samples after the warm-up (raise --steps, "
+                        f"or lower --every or --warmup)" for rank in few]}
+    grew = []
+    for rank, row in per_rank.items():
+        for key in ("threads", "open_files"):
+            if row[key]["last"] > row[key]["after_warmup"]:
+                grew.append(f"rank {rank}: {key} {row[key]['after_warmup']:g} -> {row[key]['last']:g}")
+        rss = row["rss_mib"]
+        rise = rss["last"] - rss["after_warmup"]
+        if rss["slope_per_1000_steps"] > RSS_SLOPE_LIMIT_MIB and rise > RSS_RISE_LIMIT_MIB:
+            grew.append(f"rank {rank}: resident set {rss['after_warmup']:.1f} -> {rss['last']:.1f} MiB, "
+                        f"{rss['slope_per_1000_steps']:+.1f} MiB per 1000 steps")
+    return {"verdict": "growing" if grew else "flat", "why": grew, "thresholds": thresholds}
+
+
+def format_verdict(v: dict) -> str:
+    """One line (or a few) that ends the soak's output."""
+    rule = (f"threads and open files must not rise after the warm-up, nor the resident set by more than "
+            f"{RSS_RISE_LIMIT_MIB:g} MiB at over {RSS_SLOPE_LIMIT_MIB:g} MiB per 1000 steps")
+    if v["verdict"] == "flat":
+        return f"verdict: flat ({rule}: held on every rank)"
+    return f"verdict: {v['verdict']} ({rule})\n" + "\n".join(f"  {why}" for why in v["why"])
 
 
 def memory(width: int = 384, layers: int = 6, steps: int = 30) -> dict:
@@ -138,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
               "slope per 1000 steps")
         for rank, row in doc["per_rank"].items():
             parts = [f"{k} {v['after_warmup']:.1f} -> {v['last']:.1f} ({v['slope_per_1000_steps']:+.2f})"
-                     for k, v in row.items()]
+                     for k, v in row.items() if isinstance(v, dict)]
             print(f"rank {rank}: " + "; ".join(parts))
+        print(format_verdict(doc["verdict"]))
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(doc, f, indent=1)

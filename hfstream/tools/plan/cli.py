@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated world sizes (default 1,2,4,...,1024)")
     parser.add_argument("--plot", metavar="FILE", default=None, help="draw step times and the ceiling vs N to FILE")
     parser.add_argument("--json", metavar="FILE", default=None, help="also write the prediction as JSON to FILE")
+    parser.add_argument("--wide", action="store_true",
+                        help="every column (ring factor, last bucket, both exposures and efficiencies, the sharded "
+                             "parts): about 160 columns instead of 100")
 
 
 def _error(msg: str) -> int:
@@ -175,7 +178,7 @@ def run_from_args(ns: argparse.Namespace) -> int:
             return _error("--calibrate-optimizer-ms needs --optimizer-bytes-per-param > 0")
         cfg.mem_bandwidth_gbs = calibrated_mem_bandwidth_gbs(shape, cfg, ns.calibrate_optimizer_ms)
     doc = plan(shape, cfg)
-    print(format_plan_table(doc))
+    print(format_plan_table(doc, wide=bool(getattr(ns, "wide", False))))
     if ns.plot:
         print(f"[hfstream plan] wrote {plot_plan(doc, ns.plot)}", file=sys.stderr)
     if ns.json:
