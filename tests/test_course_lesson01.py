@@ -132,7 +132,7 @@ def train_loop(model, batches, optimizer, spans, steps):
         losses.append(loss.item())
     return losses
 """)
-    _failed_with(results, "it = iter(batches)")
+    _failed_with(results, "fetches in its header, outside any span")
 
 
 def test_phases_with_backward_inside_the_forward_span():

@@ -205,7 +205,7 @@ def test_lifetime_right_answer_passes():
 
 def test_lifetime_without_record_stream():
     _failed_with(_lifetime(LIFETIME_RIGHT.replace("        bucket.record_stream(comm)\n", "")),
-                 "call bucket.record_stream(comm) before bucket.free()")
+                 "nothing told the allocator that the comm stream uses it")
 
 
 def test_lifetime_recording_the_allocating_stream():
@@ -215,7 +215,7 @@ def test_lifetime_recording_the_allocating_stream():
 
 def test_lifetime_without_the_comm_wait():
     _failed_with(_lifetime(LIFETIME_RIGHT.replace("        comm.wait_stream(compute)\n", "")),
-                 "comm.wait_stream(compute) before the all-reduce")
+                 "nothing made the comm stream wait")
 
 
 def test_lifetime_with_the_event_recorded_too_early():

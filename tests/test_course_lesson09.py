@@ -44,10 +44,10 @@ def scaling(bandwidth=RIGHT_BW, latency=RIGHT_LAT, busy=RIGHT_BUSY, ideal=RIGHT_
 
 
 @pytest.mark.parametrize("bandwidth, latency, words", [
-    ("nbytes / (link_gbs * 1e9) * 1e3", RIGHT_LAT, "ring factor 2(N-1)/N"),
-    ("2 * nbytes / (link_gbs * 1e9) * 1e3", RIGHT_LAT, "not 2: with N = 2"),
-    (RIGHT_BW, "0.0", "add the latency terms"),
-    (RIGHT_BW, "latency_us * 1e-3", "2(N-1) of them"),
+    ("nbytes / (link_gbs * 1e9) * 1e3", RIGHT_LAT, "cross the link in a reduce-scatter and again"),
+    ("2 * nbytes / (link_gbs * 1e9) * 1e3", RIGHT_LAT, "only the limit for large N"),
+    (RIGHT_BW, "0.0", "you left out the latency"),
+    (RIGHT_BW, "latency_us * 1e-3", "once per all-reduce"),
     (RIGHT_BW, "2 * (n - 1) * latency_us", "microseconds"),
     ("2 * (n - 1) / n * nbytes / (link_gbs * 1e9 / 8) * 1e3", RIGHT_LAT, "do not divide by 8"),
 ])

@@ -49,8 +49,10 @@ def _one_span(learner, rank=3, clock=None):
 
 
 @spans_ex.case("a block becomes one (rank, lane, name, start, end) tuple from the recorder's clock",
-               hint="start = self.clock() before the yield, end = self.clock() after it; "
-                    "append (self.rank, lane, name, start, end) to self.spans")
+               hint="a span is the time from just before the block runs to just after it, read from the "
+                    "recorder's own clock, and it is kept in self.spans as one tuple",
+               reveal="start = self.clock() before the yield, end = self.clock() after it; "
+                      "append (self.rank, lane, name, start, end) to self.spans")
 def _(learner):
     rec, clock = _one_span(learner)
     spans = list(rec.spans)
@@ -226,7 +228,8 @@ def _(learner):
         missing = sorted(expected - names)
         if missing == ["data wait"]:
             raise Wrong("no 'data wait' span: a `for batch in batches:` loop fetches in its header, outside any "
-                        "span. Use it = iter(batches) and time `batch = next(it)` as ('data', 'data wait')")
+                        "span, so the fetch is never timed",
+                        reveal="it = iter(batches), then time `batch = next(it)` as ('data', 'data wait')")
         raise Wrong(f"missing span name(s) {missing}; the loop recorded {sorted(names)}. Use exactly the names "
                     "'data wait', 'forward', 'backward', 'optimizer' (hfstream's StepTimeline names, which "
                     "plot_timeline colours)")
@@ -245,7 +248,8 @@ def _(learner):
                             f"close the '{other}' block before the {phase} starts")
             if phase == "data":
                 raise Wrong("fetching a batch ran outside every span: `for batch in batches:` fetches in the loop "
-                            "header. Use it = iter(batches) and time `batch = next(it)` inside ('data', 'data wait')")
+                            "header, where no span can reach it",
+                            reveal="it = iter(batches), then time `batch = next(it)` inside ('data', 'data wait')")
             raise Wrong(f"the {phase} ran outside every span: wrap it in `with spans.span(..., '{want}'):`")
         extra = sorted(around_names - {want})
         if extra:

@@ -475,8 +475,8 @@ def _diagnose_order_race(sim: SimDevice) -> None:
                     "wait on it (ready.wait(compute))")
     if records and all(c["stream"].name not in side_names for c in records):
         raise Wrong(f"{race}. You recorded the event on the compute stream: an event marks a point in the "
-                    "queue of the stream it is recorded on, so record it on the side stream, after the copy "
-                    "(ready.record(side))")
+                    "queue of the stream it is recorded on, and the copy is queued on the side stream",
+                    reveal="ready.record(side) right after the copy, in start_copy")
     if waits and all(c["stream"].name in side_names for c in waits):
         raise Wrong(f"{race}. The side stream waits on its own event, which orders nothing: the stream that "
                     "*reads* the batch must wait, i.e. ready.wait(compute) in consume")
@@ -558,8 +558,10 @@ def _lifetime_ops(sim: SimDevice, name: str) -> list[Op]:
 
 
 @lifetime.case("every bucket, unpack and optimizer read is ordered after its producer",
-               hint="comm.wait_stream(compute) before the all-reduce; return an Event recorded on comm "
-                    "after the last unpack")
+               hint="each stream must wait for what the other produced before it reads it: the comm stream for "
+                    "the packed bucket, the optimizer for the last unpack",
+               reveal="comm.wait_stream(compute) before the all-reduce; return an Event recorded on comm "
+                      "after the last unpack")
 def _(learner):
     sim, grads = _run_lifetime(learner)
     packs, reduces, unpacks = (_lifetime_ops(sim, k) for k in ("pack", "all-reduce", "unpack"))
@@ -574,8 +576,9 @@ def _(learner):
     reads = [r for r in sim.races if r.kind == "read before write"]
     for r in reads:
         if r.second.name == "all-reduce":
-            raise Wrong(f"{r}. The comm stream must wait for the pack queued on the compute stream: "
-                        "comm.wait_stream(compute) before the all-reduce")
+            raise Wrong(f"{r}. The all-reduce on the comm stream read the bucket before the pack queued on the "
+                        "compute stream had written it: nothing made the comm stream wait",
+                        reveal="comm.wait_stream(compute) before the all-reduce")
         if r.second.name == "optimizer":
             raise Wrong(f"{r}. The Event you return must be recorded on comm *after* the last unpack "
                         "(done.record(comm) at the end), so the optimizer waits for every reduction")
@@ -587,7 +590,9 @@ def _(learner):
 
 
 @lifetime.case("a bucket's memory is not reused while the comm stream still uses it",
-               hint="bucket.record_stream(comm) before bucket.free()")
+               hint="the allocator follows only the stream a block was allocated on; another stream still "
+                    "using it must be made known to it before the block is freed",
+               reveal="bucket.record_stream(comm) before bucket.free()")
 def _(learner):
     sim, grads = _run_lifetime(learner)
     if any(r.kind == "read before write" for r in sim.races):
@@ -602,13 +607,14 @@ def _(learner):
         recorded = _calls(sim, "record_stream")
         if recorded and all(c["stream"] is sim.default_stream for c in recorded):
             raise Wrong(f"{reuse[0]}. record_stream(compute) changes nothing: the bucket was allocated on "
-                        "the compute stream, which the allocator already follows. Record the *other* stream "
-                        "that uses it: bucket.record_stream(comm)")
+                        "the compute stream, which the allocator already follows; the *other* stream that uses "
+                        "it is the one it does not know about", reveal="bucket.record_stream(comm)")
         if not recorded:
             raise Wrong(f"{reuse[0]}. The allocator gave the freed bucket's block to the next pack on the "
-                        "compute stream while the comm stream was still reducing it: call "
-                        "bucket.record_stream(comm) before bucket.free()")
-        raise Wrong(f"{reuse[0]}: call bucket.record_stream(comm) on every bucket, before it is freed")
+                        "compute stream while the comm stream was still reducing it: nothing told the allocator "
+                        "that the comm stream uses it", reveal="bucket.record_stream(comm) before bucket.free()")
+        raise Wrong(f"{reuse[0]}: some buckets were freed while the comm stream used them, unknown to the "
+                    f"allocator", reveal="bucket.record_stream(comm) on every bucket, before it is freed")
     if _calls(sim, "synchronize"):
         raise Wrong("the host synchronized: that makes reuse safe, but the host stops queuing and the next "
                     "pack no longer overlaps the reduction. record_stream keeps it safe without waiting")

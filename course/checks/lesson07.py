@@ -258,8 +258,8 @@ def _(learner):
         raise Wrong(f"your step is 1/{ACCUM} of the large-batch step: divide each micro-batch loss by the number of "
                     "micro-batches once, not the gradient again")
     if diff and diff[0] < PARITY_TOL and any(d > PARITY_TOL for d in diff[1:]):
-        raise Wrong("the first step matches but later ones do not: call optimizer.zero_grad() after "
-                    "optimizer.step(), or the next step adds onto this step's gradients")
+        raise Wrong("the first step matches but later ones do not: each step's backward adds onto the gradients "
+                    "the step before left behind", reveal="optimizer.zero_grad() after optimizer.step()")
     assert diff and max(diff) < PARITY_TOL, (
         f"after each step the weights differ from single-process training by up to {max(diff or [math.inf]):.3g}")
     a, b = (r["diff"] for r in res)
@@ -429,8 +429,10 @@ def _close(params, expected) -> bool:
 
 
 @clip.case("finish(), then clip the mean, then step: the norm is the averaged gradient's",
-           hint="sync.finish(); norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); "
-                "optimizer.step(); optimizer.zero_grad(); return float(norm)")
+           hint="the norm to clip by is the averaged gradient's, the same on every rank, and the step must "
+                "use the clipped gradient; return the norm before clipping",
+           reveal="sync.finish(); norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); "
+                  "optimizer.step(); optimizer.zero_grad(); return float(norm)")
 def _(learner):
     max_norm = 0.05
     model, sync, opt, truth = _clip_setup(max_norm)
@@ -462,14 +464,15 @@ def _(learner):
 
 
 @clip.case("the step leaves no gradient behind for the next one",
-           hint="call optimizer.zero_grad() after optimizer.step()")
+           hint="the gradients this step used are still there when the next step's backward adds to them",
+           reveal="optimizer.zero_grad() after optimizer.step()")
 def _(learner):
     model, sync, opt, _ = _clip_setup(0.05)
     learner.synced_clip_step(sync, model, opt, 0.05)
     left = [p.grad for p in model.parameters() if p.grad is not None and p.grad.abs().sum() > 0]
     if left:
-        raise Wrong("gradients are still there after your step: call optimizer.zero_grad() after "
-                    "optimizer.step(), or the next step adds onto them")
+        raise Wrong("gradients are still there after your step: the next step's backward adds onto them",
+                    reveal="optimizer.zero_grad() after optimizer.step()")
 
 
 # --------------------------------------------------------------------------- the lesson's figure

@@ -74,7 +74,9 @@ def _build(learner):
 
 
 @migrate.case("it builds a StreamTrainer with StreamTrainingArguments, on the model and data given",
-              hint="swap the two names: StreamTrainer(model=..., args=StreamTrainingArguments(...), train_dataset=...)")
+              hint="the migration changes two names of a stock Trainer script and nothing else: the model, "
+                   "the data and the settings you were given stay as they are",
+              reveal="StreamTrainer(model=..., args=StreamTrainingArguments(...), train_dataset=...)")
 def _(learner):
     from transformers import Trainer
 

@@ -324,18 +324,16 @@ def _ring_variants(nbytes: float, n: int, gbs: float, lat_us: float) -> list[tup
     want = ring * nbytes / bw * 1e3 + lat
     return [
         ("return milliseconds, not seconds", want / 1e3),
-        ("a ring all-reduce sends each byte about twice (a reduce-scatter, then an all-gather): multiply "
-         "bytes / bandwidth by the ring factor 2(N-1)/N", nbytes / bw * 1e3 + lat),
-        ("the ring factor is 2(N-1)/N, not 2: with N = 2 each device sends half its buffer in the "
-         "reduce-scatter and half in the all-gather, 1 x bytes in all; 2 is only the limit for large N",
-         2 * nbytes / bw * 1e3 + lat),
-        ("a ring all-reduce is a reduce-scatter *and* an all-gather, (N-1)/N x bytes each: 2(N-1)/N in all",
-         (n - 1) / n * nbytes / bw * 1e3 + lat),
-        ("add the latency terms: a ring all-reduce takes 2(N-1) steps and each pays the latency once, "
-         "2(N-1) x latency_us x 1e-3 ms", ring * nbytes / bw * 1e3),
-        ("the latency is paid per ring step, and there are 2(N-1) of them, not once per all-reduce",
+        ("you priced every byte once, bytes / bandwidth: in a ring all-reduce a device's bytes cross the link in "
+         "a reduce-scatter and again in an all-gather", nbytes / bw * 1e3 + lat),
+        ("you priced 2 x bytes at every N: that is only the limit for large N; with N = 2 each device sends "
+         "half its buffer in the reduce-scatter and half in the all-gather", 2 * nbytes / bw * 1e3 + lat),
+        ("that is the bytes of one half of the ring (a reduce-scatter alone); an all-reduce runs an all-gather "
+         "after it, as many bytes again", (n - 1) / n * nbytes / bw * 1e3 + lat),
+        ("you left out the latency: every step of the ring pays it once", ring * nbytes / bw * 1e3),
+        ("you paid the latency once per all-reduce: every step of the ring pays it",
          ring * nbytes / bw * 1e3 + lat_us * 1e-3),
-        ("the latency is paid per ring step: 2(N-1) steps (N-1 in the reduce-scatter, N-1 in the all-gather)",
+        ("you paid the latency for the steps of one half of the ring only; the all-gather's steps pay it too",
          ring * nbytes / bw * 1e3 + (n - 1) * lat_us * 1e-3),
         ("latency_us is in microseconds: x 1e-3 for milliseconds", ring * nbytes / bw * 1e3 + lat * 1e3),
         ("latency_us is in microseconds: x 1e-3 for milliseconds (you multiplied by 1e-6: that is seconds)",
@@ -413,7 +411,7 @@ def _(learner):
             if math.isclose(g["comm_busy_ms"], one, rel_tol=1e-6):
                 raise Wrong(f"you reduced all {total / 2**30:.1f} GiB as one all-reduce: the model travels in "
                             f"{len(sizes)} buckets and each is its own all-reduce, paying its own 2(N-1) "
-                            f"latencies; sum ring_allreduce_ms over bucket_bytes", reveal=REVEAL_STEP)
+                            f"latencies", reveal=REVEAL_STEP)
             if math.isclose(g["comm_busy_ms"], max(allreduce_s(s, n, cfg.link_gbs, cfg.latency_us) for s in sizes) * 1e3,
                             rel_tol=1e-6):
                 raise Wrong("comm busy is the sum over buckets, not the largest: the link reduces one bucket at a time", reveal=REVEAL_STEP)
@@ -479,8 +477,8 @@ def _(learner):
                         f"{2 * sum(sizes) / (cfg.link_gbs * 1e9) * 1e3:.0f} ms as N grows, below backward "
                         f"({bwd:.0f} ms): no N crosses, return None (you returned {got})", reveal=REVEAL_CROSSOVER)
         if got is None:
-            raise Wrong(f"{label}: you returned None, but the latency terms grow without bound, 2(N-1) x latency "
-                        f"per bucket, {len(sizes)} buckets: the planner finds N = {want}. Search up to "
+            raise Wrong(f"{label}: you returned None, but the latency terms grow without bound in N, in each of "
+                        f"the {len(sizes)} buckets: the planner finds N = {want}. Search up to "
                         f"max_world_size, not just while the bandwidth term grows", reveal=REVEAL_CROSSOVER)
         if got == want - 1:
             raise Wrong(f"{label}: you returned {got}, the last N where overlap is still complete; the question is "
@@ -540,8 +538,8 @@ def _(learner):
                         f"{cfg.latency_us:g} us = {lat_ms:.0f} ms of backward are spent waiting, so the bandwidth "
                         f"term must fit in what is left", reveal=REVEAL_MIN_LINK)
         if math.isclose(got, sum(sizes) / ((bwd - lat_ms) / 1e3) / 1e9, rel_tol=1e-3):
-            raise Wrong("each byte crosses the link 2(N-1)/N times in a ring all-reduce: multiply the bytes by it",
-                        reveal=REVEAL_MIN_LINK)
+            raise Wrong("you left out the ring factor: in a ring all-reduce a device's bytes cross the link more "
+                        "than once", reveal=REVEAL_MIN_LINK)
         raise AssertionError(f"at N={n}: with {got:.4g} GB/s the planner says comm busy "
                              f"{fast['comm_busy_ms']:.0f} ms vs backward {bwd:.0f} ms "
                              f"({'fits' if fast['overlap_complete'] else 'does not fit'}); it should just fit")

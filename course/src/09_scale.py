@@ -23,23 +23,20 @@
 #    adds the chunk it receives. Afterwards each device holds one fully summed chunk;
 # 2. an **all-gather**: N-1 more steps that pass the summed chunks around the ring.
 #
-# Each device sends 2(N-1) chunks of b/N bytes, and every step pays the link's latency α once:
+# In every step of either pass a device sends one chunk over a link of bandwidth B, and every step
+# pays the link's latency α once. Count the steps and the bytes, and you have the time T(b, N) of
+# one all-reduce of b bytes: the first exercise (Thakur, Rabenseifner and Gropp, "Optimization of
+# Collective Communication Operations in MPICH", 2005, derive it; NCCL's tests call its bytes
+# factor the *bus bandwidth* factor). It has two terms, and they behave very differently:
 #
-# $$T(b, N) = \frac{2(N-1)}{N}\cdot\frac{b}{B} + 2(N-1)\,\alpha$$
-#
-# (Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH",
-# 2005; the factor 2(N-1)/N is what NCCL's tests call the *bus bandwidth* factor.) The two terms
-# behave very differently:
-#
-# - the **bandwidth term saturates**: 2(N-1)/N is 1 at N = 2, 1.75 at N = 8 and 1.998 at N = 1024.
-#   From 8 to 1024 devices each byte costs only 14 % more;
+# - the **bandwidth term saturates**: from 8 to 1024 devices each byte costs only 14 % more;
 # - the **latency term grows linearly** with N, and it is paid once per all-reduce, that is once
-#   per *bucket*. A model in 200 buckets pays 200 x 2(N-1) latencies per step.
+#   per *bucket*: a model in 200 buckets pays it 200 times over per step.
 #
 # The link is busy for `comm_busy` = the sum of T over the buckets, and the ceiling is the one you
-# wrote in lesson 00, `ideal = forward + max(backward, comm_busy) + optimizer`. The next cell prints
-# both terms for one 25 MiB bucket on a 25 GB/s link with 5 µs per ring step (a 200 Gbit/s
-# InfiniBand port per GPU).
+# wrote in lesson 00, `ideal = forward + max(backward, comm_busy) + optimizer`. After the exercise,
+# a cell prints both terms for one 25 MiB bucket on a 25 GB/s link with 5 µs per ring step (a
+# 200 Gbit/s InfiniBand port per GPU), from your function.
 
 # %%
 import contextlib, math, os, queue, threading, time
@@ -53,21 +50,7 @@ from hfstream.tools.plan import (PlanConfig, ModelShape, load_model, plan, predi
                                  allreduce_s, ring_factor, calibrated_tflops, calibrated_mem_bandwidth_gbs)
 from hfstream.tools.plan import main as hfstream_plan   # `hfstream plan ...` on the command line
 
-bucket = 25 * 2**20
-print(f"{'N':>5} {'2(N-1)/N':>9} {'bandwidth ms':>13} {'latency ms':>11} {'all-reduce ms':>14}")
-for n in (2, 8, 64, 256, 1024):
-    bw_ms = allreduce_s(bucket, n, 25.0, 0.0) * 1e3
-    total = allreduce_s(bucket, n, 25.0, 5.0) * 1e3
-    print(f"{n:>5} {ring_factor(n):>9.3f} {bw_ms:>13.3f} {total - bw_ms:>11.3f} {total:>14.3f}")
-print(f"at N = 1024 the latency terms of one 25 MiB all-reduce take {total - bw_ms:.1f} ms, "
-      f"{(total - bw_ms) / bw_ms:.1f} x its bandwidth term")
-
 # %% [markdown]
-# At N = 1024 the latency terms outweigh the bandwidth term (the cell's last line says by how
-# much). That is why collective libraries switch to tree and hierarchical algorithms at scale
-# (NCCL picks between ring and tree per message size), and why bucket size matters more, not
-# less, on many devices.
-#
 # ## The planner
 #
 # `hfstream plan` predicts a whole data-parallel step for N = 1 .. 1024 devices:
@@ -137,12 +120,13 @@ print("comm busy exceeds backward from N =", overlap_limit(shape, cfg, buckets))
 #   is its own all-reduce, one after another), `step_serial_ms` (no overlap) and `ideal_ms` (the
 #   ceiling).
 #
-# The check compares you with `hfstream.tools.plan` for llama-8b's buckets (their count is printed
-# above) at N = 1, 2, 8, 64, 1024.
+# Derive `ring_allreduce_ms` from the two passes described at the top of the lesson. The check
+# compares you with `hfstream.tools.plan` for llama-8b's buckets (their count is printed above) at
+# N = 1, 2, 8, 64, 1024.
 
 # %%
 def ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us):
-    """One ring all-reduce: 2(N-1)/N x bytes / bandwidth + 2(N-1) x latency, in ms."""
+    """One ring all-reduce of `nbytes` alone on the link, in ms."""
     # BEGIN SOLUTION
     if world_size <= 1:
         return 0.0
@@ -162,6 +146,25 @@ def predict_step(world_size, forward_ms, backward_ms, optimizer_ms, bucket_bytes
 
 # %%
 check("09.scaling")
+
+# %% [markdown]
+# Your function's two terms for one 25 MiB bucket on a 25 GB/s link with 5 µs per ring step:
+
+# %%
+bucket = 25 * 2**20
+print(f"{'N':>5} {'bandwidth ms':>13} {'latency ms':>11} {'all-reduce ms':>14}")
+for n in (2, 8, 64, 256, 1024):
+    bw_ms = ring_allreduce_ms(bucket, n, 25.0, 0.0)
+    total = ring_allreduce_ms(bucket, n, 25.0, 5.0)
+    print(f"{n:>5} {bw_ms:>13.3f} {total - bw_ms:>11.3f} {total:>14.3f}")
+print(f"at N = 1024 the latency terms of one 25 MiB all-reduce take {total - bw_ms:.1f} ms, "
+      f"{(total - bw_ms) / bw_ms:.1f} x its bandwidth term")
+
+# %% [markdown]
+# At N = 1024 the latency terms outweigh the bandwidth term (the cell's last line says by how
+# much). That is why collective libraries switch to tree and hierarchical algorithms at scale
+# (NCCL picks between ring and tree per message size), and why bucket size matters more, not
+# less, on many devices.
 
 # %% [markdown]
 # ## Where overlap stops helping
@@ -284,7 +287,7 @@ print(f"100 MiB instead of 25 MiB buckets save {_saved:.0f} ms of latency at N =
 from course.checks.lesson09 import run_lab, LAB, lab_tensors, NAIVE
 
 real = run_lab({"real loopback: serial, one bucket": {"grad_sync": "serial", "bucket_mb": 25.0, "prefetch_depth": 0},
-                "real loopback: overlap, 1/8 MiB": {"grad_sync": "overlap", "bucket_mb": 0.125, "prefetch_depth": 0}},
+                "real loopback: overlap, 1/4 MiB": {"grad_sync": "overlap", "bucket_mb": 0.25, "prefetch_depth": 0}},
                simulate=False, lab={"data_share": 0.0, "steps": 10})
 for name, r in real["runs"].items():
     print(f"{name:<36} backward {r['backward_ms']:6.1f} ms, comm busy {r['comm_busy_ms']:5.1f} ms, exposed "
@@ -375,7 +378,7 @@ def lab_buckets(cap):
 
 
 print({k: round(v, 1) for k, v in lab_parts.items()}, f"link {lab_link_gbs * 1e3:.1f} MB/s, {lab_latency_us:.0f} us per ring step")
-for cap in (0, 1 / 8, 25.0):
+for cap in (0, 3 / 8, 25.0):
     print(f"lab_buckets({cap:g}): {len(lab_buckets(cap))} buckets, the first ready at "
           f"{lab_buckets(cap)[0][1]:.0%} of backward")
 

@@ -151,7 +151,7 @@ def _(learner):
                 if i in st["garbage"]:
                     raise Wrong(f"step {s}: rank {rank}'s layer {i} computed with NaN, what its gather's output held "
                                 f"while the gather was in flight: you read the buffer before waiting. The output of "
-                                f"an asynchronous collective is only the result once work.wait() has returned",
+                                f"an asynchronous collective is only the result once its work has been waited for",
                                 reveal=GATHER_REVEAL)
                 raise Wrong(f"step {s}: rank {rank}'s layer {i} does not hold the gathered values after the "
                             f"forward: once its gather is waited for, every parameter of the layer must take its "

@@ -20,8 +20,8 @@ RS_REFUSE = {name: REFUSED[name] for name in ("all_reduce", "reduce_scatter_sing
                                               "reduce_scatter")}
 RS_SIZES = (3, 1000)       # elements per rank's slice
 RS_WORLDS = (2, 4)
-RS_HINT = ("every rank must end with the mean of the slice it owns: send each peer the slice that peer owns, add up "
-           "what the ranks send you for yours, and divide by N exactly once")
+RS_HINT = ("rank r must end with the mean over all ranks of slice r of their tensors (S elements) and nothing "
+           "else: compare what each rank holds after your exchange with that, on 2 ranks and S = 3")
 RS_REVEAL = ("received = torch.empty_like(flat); dist.all_to_all_single(received, flat); "
              "return received.view(N, -1).sum(0) / N   # N = dist.get_world_size()")
 
@@ -110,7 +110,7 @@ def _(learner):
 
 
 @rs_ex.case("it sends each peer only that peer's slice: (N-1)/N of the tensor, half an all-reduce's bytes",
-            hint="send rank j only slice j (S elements), not the whole tensor", timeout=60,
+            hint="count what each rank sends: a peer needs only its own slice of your tensor", timeout=60,
             after="each rank ends with the mean of its own slice (2 and 4 ranks, S = 3 and 1000)")
 def _(learner):
     facts = _rs_facts(learner)
@@ -124,7 +124,7 @@ def _(learner):
                 raise Wrong(f"{n} ranks: rank {rank} sent {sent / nbytes:.2f} x the tensor's bytes, a reduce-scatter "
                             f"needs {want / nbytes:.2f} x: (N-1) slices of S elements, one to each peer. Sending "
                             f"every peer the whole tensor costs N-1 times that; an all-reduce 2(N-1)/N",
-                            reveal="each peer j needs only flat[j*S:(j+1)*S]")
+                            reveal="each peer j needs only flat[j*S:(j+1)*S]: dist.all_to_all_single(received, flat)")
             if sent < 0.99 * want:
                 raise AssertionError(f"{n} ranks: rank {rank} sent {sent:.0f} bytes, fewer than the "
                                      f"{want:.0f} every peer's slice takes")

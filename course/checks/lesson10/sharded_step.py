@@ -21,8 +21,8 @@ STEP_SIZE = 5
 STEP_LR = 0.5
 STEP_WORLDS = (2, 4)
 STEP_NORMS = (1.0, 100.0)           # clipping active, then inactive (a coefficient above 1 would scale up)
-STEP_HINT = ("the whole gradient's norm from the ranks' pieces: each rank computes what it can from its own slice, "
-             "one collective combines them, and every rank ends with the same number")
+STEP_HINT = ("the number returned must be the 2-norm of the whole mean gradient, every slice of it, and the same "
+             "on every rank, though each rank holds only its own slice")
 STEP_REVEAL = ("sq = (g.double() ** 2).sum().reshape(1); dist.all_reduce(sq); norm = sq.sqrt().item(); "
                "coef = min(1.0, max_norm / (norm + 1e-6)); flat_params[mine].add_(g, alpha=-lr * coef)   "
                "# g = grad_buffer[mine], mine = slice(rank * S, (rank + 1) * S)")
@@ -109,23 +109,23 @@ def _(learner):
             if _near(got, local[rank]):
                 raise Wrong(f"{n} ranks: rank {rank} returned {got:.4f}, the norm of its own slice (the local "
                             f"norm); the whole gradient's is {truth:.4f}. Clipped with the local norm, every rank "
-                            f"scales its slice by a different coefficient and the step is not the unsharded one: "
-                            f"combine the ranks' parts with one all-reduce", reveal=STEP_REVEAL)
+                            f"scales its slice by a different coefficient and the step is not the unsharded one",
+                            reveal=STEP_REVEAL)
             if _near(got, float(buf.norm())):
                 raise Wrong(f"{n} ranks: rank {rank} took the norm of the whole buffer, slices it does not own "
                             f"included: those hold this rank's own unreduced gradients, not the mean. Use slice "
-                            f"`rank` only, and combine the ranks' parts", reveal=STEP_REVEAL)
+                            f"`rank` only", reveal=STEP_REVEAL)
             if _near(got, sum(local)):
-                raise Wrong(f"{n} ranks: {got:.4f} is the sum of the ranks' norms; norms do not add, squares do: "
-                            f"all-reduce the sum of squares and take the square root of the total",
+                raise Wrong(f"{n} ranks: {got:.4f} is the sum of the ranks' norms, but the norms of disjoint pieces "
+                            f"do not add up to the norm of the whole (legs of 3 and 4 make a hypotenuse of 5, not 7)",
                             reveal=STEP_REVEAL)
             if _near(got, truth ** 2):
-                raise Wrong(f"{n} ranks: {got:.4f} is the squared norm: take the square root of the all-reduced sum "
-                            f"of squares", reveal=STEP_REVEAL)
-            if _near(got, truth / n) or _near(got, math.sqrt(truth ** 2 / n)):
-                raise Wrong(f"{n} ranks: {got:.4f} is the norm divided by N (or the mean of the squares): the slices "
-                            f"are disjoint pieces of one gradient, so their squares add up, with no averaging",
+                raise Wrong(f"{n} ranks: {got:.4f} is the squared norm of the whole gradient, not its norm",
                             reveal=STEP_REVEAL)
+            if _near(got, truth / n) or _near(got, math.sqrt(truth ** 2 / n)):
+                raise Wrong(f"{n} ranks: {got:.4f} is the norm divided by N (or the mean of the squares): you "
+                            f"averaged over the ranks, but the slices are disjoint pieces of one gradient, not N "
+                            f"copies of it", reveal=STEP_REVEAL)
             raise AssertionError(f"{n} ranks: rank {rank} returned {got:.4f}, the whole gradient's norm is "
                                  f"{truth:.4f}")
     return "the global norm on every rank"
@@ -163,11 +163,10 @@ def _(learner):
                                 f"every rank must scale by the same coefficient", reveal=STEP_REVEAL)
                 if raw > 1 and _close(got[mine], p0 - STEP_LR * raw * g, rtol=1e-4):
                     raise Wrong(f"max_norm={mx:g}, norm {truth:.2f}: you scaled the gradient *up* by "
-                                f"{raw:.1f}. Clipping only shrinks: the coefficient is min(1, max_norm / "
-                                f"(norm + 1e-6))", reveal=STEP_REVEAL)
+                                f"{raw:.1f}. Clipping only ever shrinks a gradient", reveal=STEP_REVEAL)
                 if coef < 1 and _close(got[mine], p0 - STEP_LR * g, rtol=1e-4):
-                    raise Wrong(f"max_norm={mx:g}, norm {truth:.2f}: the step is not clipped: scale the gradient "
-                                f"by max_norm / (norm + 1e-6) when the norm exceeds max_norm", reveal=STEP_REVEAL)
+                    raise Wrong(f"max_norm={mx:g}, norm {truth:.2f}: the norm exceeds max_norm, yet your step used "
+                                f"the gradient unclipped", reveal=STEP_REVEAL)
                 if _close(got[mine], p0 + STEP_LR * coef * g, rtol=1e-4):
                     raise Wrong("the step went uphill: SGD subtracts lr x gradient", reveal=STEP_REVEAL)
                 if _close(got[mine], p0):

@@ -428,11 +428,10 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float = 1e-5) -> bool:
 # Primitives an exercise refuses, and why (named when a rank calls one).
 REFUSED = {
     "all_reduce": "you called dist.all_reduce: that is the whole all-reduce (reduce-scatter *and* all-gather), "
-                  "twice the bytes, and what this exercise takes apart. Build the first half alone: each rank sends "
-                  "slice j of its tensor to rank j (dist.all_to_all_single, or dist.isend/dist.irecv) and adds "
-                  "up what it receives",
+                  "twice the bytes, and what this exercise takes apart: a rank needs only its own slice of the "
+                  "result, and the exercise names the primitives that can move just that",
     "reduce_scatter_single": "dist.reduce_scatter_single is the primitive you are building (and on gloo it costs a "
-                             "whole all-reduce, docs/design.md section 7): build it from dist.all_to_all_single or "
-                             "dist.isend/dist.irecv",
+                             "whole all-reduce, docs/design.md section 7): the exercise names the primitives "
+                             "allowed",
 }
 REFUSED["reduce_scatter_tensor"] = REFUSED["reduce_scatter"] = REFUSED["reduce_scatter_single"]
