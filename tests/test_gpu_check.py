@@ -329,6 +329,7 @@ def test_cpu_dry_run_of_every_part(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["header"]["mode"].startswith("cpu dry run")
     status = {p["name"]: p["status"] for p in doc["parts"]}
-    assert status == {"pytest": "skip", "gradsync": "pass", "prefetch": "pass", "ws1": "pass", "trainer": "pass"}, \
+    assert status == {"pytest": "skip", "gradsync": "pass", "prefetch": "pass", "ws1": "pass", "trainer": "pass",
+                      "onerank": "pass"}, \
         proc.stdout
     assert "overall: pass" in proc.stdout

@@ -22,6 +22,11 @@ CUDA context in one is recorded in the table and the others still run):
                 without it
     5 trainer   a StreamTrainer run (tiny GPT-2 from a config, 20 steps): it trains, and its
                 ``stream_report()``
+    6 onerank   GradSync on a one-rank NCCL group, kept active by a test-only switch: overlap and
+                sharded collectives on the high-priority stream, futures and callbacks, the
+                report's communication time against ``torch.profiler``'s kernel time, no host sync
+                in the whole step under ``set_sync_debug_mode("error")``; a sharded soak beside
+                default-group all-reduces
 
 The modules (each imports only the standard library when imported; torch, transformers and
 hfstream's training path are imported inside the functions that run a part):
@@ -36,4 +41,5 @@ hfstream's training path are imported inside the functions that run a part):
     gradsync     part 2 (what synchronises in a GradSync step is described there)
     prefetch     part 3
     one_process  parts 4 and 5
+    one_rank     part 6, and the test-only GradSync that stays active at world size 1
 """

@@ -5,9 +5,9 @@ and the host never waits for the device while forward, backward and the launches
 
 What synchronises in a GradSync step (read from ``gradsync/sync.py`` and torch's gloo backend):
 the gradient hooks and ``_launch`` only enqueue work (pack on the side stream, events,
-``all_reduce(async_op=True)``); a ``.tolist()`` of the "used" flags in ``_unpack`` and the
-``torch.tensor`` of them in ``_pack`` copy to and from the host, but only for a bucket with a
-parameter unused on this rank (none here); ``finish()`` waits on the host for each bucket's
+``all_reduce(async_op=True)``); the "used" flags go to the device from pinned memory without
+blocking (``reduction.write_used_flags``) and come back with a ``.tolist()`` in ``reduced``, but
+only for a bucket with a parameter unused on this rank (none here); ``finish()`` waits on the host for each bucket's
 ``Work`` (by design); reading ``GradSync.stats`` waits for its timing events (by design: the
 Trainer reads them a step later). On CUDA tensors gloo's ``run()``, on its own worker thread,
 calls ``cudaStreamSynchronize`` on its device-to-host copy before reducing on the host.
@@ -19,6 +19,12 @@ through forward, backward and every launch while the device still sleeps). ``"er
 covers what has no collective in flight: a ``no_sync()`` micro-step (here), the prefetcher loop
 (part 3), the world-size-1 step (part 4). Each detector is first shown a deliberate ``.item()``
 it must catch.
+
+The communication times here are host-side, not the collective's: gloo's future has no CUDA
+devices, so the completion callback that records a bucket's end event runs on gloo's thread and
+records it on that thread's default stream, which is not ordered after gloo's copy back to the
+device. "comm busy/exposed" in this part are labelled so; part 6 measures them on NCCL against
+the profiler.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ def part_gradsync(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
         f"MLP {size['layers']}x{size['width']}, {n0['buckets']} buckets of {size['bucket_mb']:g} MiB)",
         f"{n0['launched_in_backward']}/{n0['num_collectives']} buckets launched in backward"
         + (", on the side stream" if n0.get("side_stream") else ("" if on_cpu else ", NOT on a side stream"))
-        + f"; comm busy {n0['comm_busy_ms']:.2f} ms, exposed {n0['exposed_comm_ms']:.2f} ms",
+        + f"; comm busy {n0['comm_busy_ms']:.2f} ms, exposed {n0['exposed_comm_ms']:.2f} ms"
+        + ("" if on_cpu else " (host-side: gloo's end event is not ordered after its copy back; NCCL in part 6)"),
     ]
     if on_cpu:
         summary.append("sync checks: n/a on CPU")
@@ -123,6 +130,7 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
         ref.load_state_dict(model.state_dict())
     checks.add("gradients equal the single-process mean (allclose)", not bad, ", ".join(bad[:4]))
     numbers.update(steps=size["steps"], max_grad_diff=worst, buckets=len(sync.buckets),
+                   comm_times="host" if not cuda else "host-side (gloo on CUDA: see the module docstring)",
                    num_collectives=stats.num_collectives, launched_in_backward=stats.launched_in_backward,
                    comm_busy_ms=stats.comm_busy_ms, exposed_comm_ms=stats.exposed_comm_ms,
                    bucket_spans=[[i, b - a] for i, a, b in stats.bucket_spans])
@@ -133,7 +141,7 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
                f"{stats.launched_in_backward} of {stats.num_collectives}")
     checks.add("bucket spans are well formed", all(b >= a for _, a, b in stats.bucket_spans))
     if cuda:
-        side = dev in getattr(sync, "_streams", {})
+        side = dev in getattr(sync, "_comm_streams", {})   # GradSync's device -> side stream (comm_streams)
         numbers["side_stream"] = side
         checks.add("buckets packed and launched on a side stream", side)
 

@@ -1,0 +1,346 @@
+"""Part 6: GradSync on a one-rank NCCL group (gloo with ``--on-cpu``), kept active by a test-only switch.
+
+At world size 1 GradSync does nothing (there is nothing to average), so one GPU never runs its
+collectives. `one_rank_grad_sync` is the test-only switch: a GradSync subclass that stays active
+on a one-rank process group and shards the optimizer into its single slice, so that a real NCCL
+collective runs on one device, on the gradient group's high-priority stream. It is defined here,
+in the check, and nowhere in the training path. Checks:
+
+    overlap   buckets all-reduced from the hooks: gradients unchanged (the mean over one rank),
+              every bucket's future completed and its callback ran (one span each), the NCCL group
+              on a high-priority stream, no host sync in the whole step under
+              ``set_sync_debug_mode("error")`` and the host a whole step ahead of a device sleep
+    sharded   reduce-scatter in backward, all-gather after the step: parameters equal plain SGD's;
+              the step report's reduce-scatter time against ``torch.profiler``'s kernel time of the
+              NCCL reduce-scatters (within 10 %, or 0.05 ms a step where both are tiny)
+    soak      sharded steps (200; 40 with --quick) with the gradient group's all-gathers in flight
+              while the default group all-reduces the loss every step (as the Trainer's loss and
+              metric gathers do): the ``new_group`` docs ask to wait for one group's work before
+              using another's; equal order on every rank should make this safe, and here it runs
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from typing import Any
+
+from hfstream.tools.gpu_check.checks import Checks, mlp, mse, part_device, synchronize
+from hfstream.tools.gpu_check.syncdebug import calibrate_sleep, device_sleep, sync_debug
+
+PROFILE_TOLERANCE = 0.10       # the report's comm time vs the profiler's kernel time
+PROFILE_FLOOR_MS = 0.05        # per step: below this both are launch noise
+
+
+def one_rank_sizes(quick: bool, on_cpu: bool) -> dict:
+    if on_cpu:
+        return dict(width=64, layers=3, batch=8, steps=3, soak=10, bucket_mb=0.02, profiled=0)
+    if quick:
+        return dict(width=2048, layers=6, batch=64, steps=5, soak=40, bucket_mb=16.0, profiled=5)
+    return dict(width=4096, layers=6, batch=64, steps=5, soak=200, bucket_mb=32.0, profiled=5)
+
+
+def one_rank_grad_sync():
+    """The test-only GradSync class that stays active on a one-rank process group (see the module docstring)."""
+    from hfstream import GradSync
+    from hfstream.gradsync import shard_optim, shard_state
+
+    class OneRankGradSync(GradSync):
+        """Test-only: GradSync active at world size 1, so its collectives run on one device."""
+
+        @property
+        def _active(self) -> bool:
+            return self.__dict__.get("_one_rank_active", False)
+
+        @_active.setter
+        def _active(self, value: bool) -> None:
+            # GradSync.__init__ sets it once, from world_size > 1 (False here): on a group it stays
+            # on. Every later assignment (close()) is honoured.
+            first = "_one_rank_active" not in self.__dict__
+            self.__dict__["_one_rank_active"] = bool(value) or (first and self.process_group is not None)
+
+        def shard_optimizer(self, optimizer):
+            # shard_optim leaves the optimizer whole at world size 1; cut it into its one slice instead.
+            group_of = shard_optim.check_optimizer(self.hooked_parameters, self.model, optimizer)
+            shard_optim._SHARDED[optimizer] = self.reduction
+            shard_state.remember_groups(optimizer)
+            self.reduction.attach(optimizer, group_of)
+            return optimizer
+
+    return OneRankGradSync
+
+
+def part_one_rank(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    cuda = not on_cpu
+    dev = part_device(on_cpu)
+    if cuda:
+        torch.cuda.set_device(dev)
+    timeout = datetime.timedelta(seconds=max(30, int(timeout_s)))
+    extra = {"device_id": dev} if cuda else {}
+    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout, **extra)
+    try:
+        return _run(quick, on_cpu, dev, timeout)
+    finally:
+        dist.destroy_process_group()
+
+
+def _gradient_group(cuda: bool, timeout):
+    """The Trainer's gradient group on one rank (`hfstream.data_parallel.gradient_group` makes none there)."""
+    import torch.distributed as dist
+
+    if not cuda:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    options._timeout = timeout        # as data_parallel does: new_group warns when the two differ
+    return dist.new_group(backend="nccl", pg_options=options, timeout=timeout)
+
+
+def _run(quick: bool, on_cpu: bool, dev, timeout) -> dict:
+    import torch
+
+    cuda = not on_cpu
+    size = one_rank_sizes(quick, on_cpu)
+    group = _gradient_group(cuda, timeout)
+    checks = Checks()
+    numbers: dict[str, Any] = {"size": size}
+    if cuda:
+        try:
+            high = bool(group._get_backend(dev).options.is_high_priority_stream)   # private accessor, as comm_streams
+        except Exception as exc:   # noqa: BLE001 - recorded, not fatal
+            high = f"unreadable ({exc})"
+        numbers["nccl_high_priority"] = high
+        checks.add("the gradient group's NCCL stream is high priority", high is True, str(high))
+    _overlap(size, dev, group, checks, numbers, cuda)
+    _sharded(size, dev, group, checks, numbers, cuda)
+    _soak(size, dev, group, checks, numbers, cuda)
+    n = numbers
+    summary = [
+        f"overlap: {n['overlap_collectives']} all-reduces a step on a 1-rank {'NCCL' if cuda else 'gloo'} group, "
+        f"{n['overlap_launched_in_backward']} launched in backward, every callback ran: "
+        f"{'yes' if n['overlap_callbacks'] else 'NO'}; grads unchanged (max |diff| {n['overlap_grad_diff']:.1e})",
+        f"sharded: parameters = plain SGD's after {size['steps']} steps (max |diff| {n['sharded_param_diff']:.1e}); "
+        f"{n['sharded_collectives']} reduce-scatters and {n['sharded_gathers']} all-gathers a step",
+        f"soak: {n['soak_steps']} sharded steps with a default-group all-reduce each, "
+        f"{n['soak_s']:.1f} s, max |diff| to plain SGD {n['soak_param_diff']:.1e}",
+    ]
+    if cuda:
+        summary.append(
+            f"step under set_sync_debug_mode('error'): overlap {n['overlap_sync_error'] or 'clean'}, sharded "
+            f"{n['sharded_sync_error'] or 'clean'}; host a whole step ahead of a {n['sleep_ms']:.0f} ms device sleep: "
+            f"overlap {'yes' if n['overlap_host_ahead'] else 'NO'}, sharded {'yes' if n['sharded_host_ahead'] else 'NO'}")
+        summary.append(
+            f"report vs torch.profiler, reduce-scatter: {n['report_rs_ms']:.3f} vs {n['profiler_rs_ms']:.3f} ms a step "
+            f"({n['profile_steps']} steps); all-reduce (in place, one rank): {n['report_ar_ms']:.3f} vs "
+            f"{n['profiler_ar_ms']:.3f} ms, reported only")
+    else:
+        summary.append("sync-debug, device sleep and profiler checks: n/a on CPU")
+    return checks.result(summary, numbers)
+
+
+def _data(step: int, size: dict, dev):
+    import torch
+
+    g = torch.Generator().manual_seed(104729 + step)
+    x = torch.randn(size["batch"], size["width"], generator=g)
+    return x.to(dev), torch.randn(size["batch"], size["width"], generator=g).to(dev)
+
+
+def _model(size: dict, dev):
+    import torch
+
+    torch.manual_seed(0)
+    return mlp(size["width"], size["layers"]).to(dev)
+
+
+def _step(model, sync, opt, x, y) -> None:
+    mse(model, x, y).backward()
+    sync.finish()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def _callbacks_ran(stats) -> bool:
+    spans = stats.bucket_spans
+    return (len(spans) == stats.num_collectives > 0
+            and all(math.isfinite(a) and math.isfinite(b) and b >= a for _, a, b in spans))
+
+
+def _host_ahead(step, dev, size_ms: float) -> bool:
+    """Whether the host gets through ``step()`` while a device sleep queued before it still runs."""
+    import torch
+
+    cycles = calibrate_sleep(dev)
+    torch.cuda.synchronize()
+    slept = device_sleep(size_ms, cycles)
+    step()
+    ahead = not slept.query()
+    torch.cuda.synchronize()
+    return ahead
+
+
+def _no_sync_error(step, cuda: bool) -> str | None:
+    with sync_debug("error", cuda):
+        try:
+            step()
+        except RuntimeError as exc:
+            return str(exc).splitlines()[0][:200]
+    return None
+
+
+def _profiled(run_steps, name_part: str, cuda: bool) -> float:
+    """Device milliseconds of the NCCL ops whose name has ``name_part``, over ``run_steps()``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_steps()
+        synchronize(cuda)
+    total_us = 0.0
+    for ev in prof.events():
+        parent = getattr(ev, "cpu_parent", None)
+        if ev.name.startswith("nccl:") and name_part in ev.name and not (parent and parent.name.startswith("nccl:")):
+            total_us += ev.device_time_total
+    return total_us / 1e3
+
+
+def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
+    import torch
+
+    model, ref = _model(size, dev), _model(size, dev)
+    sync = one_rank_grad_sync()(model, bucket_mb=size["bucket_mb"], mode="overlap", process_group=group, timeout=60)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    worst, stats = 0.0, None
+    for step in range(size["steps"]):
+        x, y = _data(step, size, dev)
+        mse(model, x, y).backward()
+        sync.finish()
+        mse(ref, x, y).backward()
+        worst = max([worst] + [(p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())])
+        stats = sync.stats
+        opt.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+    numbers.update(overlap_grad_diff=worst, overlap_collectives=stats.num_collectives, overlap_buckets=len(sync.buckets),
+                   overlap_launched_in_backward=stats.launched_in_backward, overlap_callbacks=_callbacks_ran(stats))
+    checks.add("overlap: GradSync active on one rank (the test-only switch)", bool(sync.bucket_states),
+               f"{len(sync.bucket_states)} buckets at run time")
+    checks.add("overlap: gradients unchanged by the mean over one rank", worst <= 1e-6, f"max |diff| {worst:.1e}")
+    checks.add("overlap: every bucket's future completed and its callback ran", _callbacks_ran(stats),
+               f"{len(stats.bucket_spans)} spans, {stats.num_collectives} collectives")
+    checks.add("overlap: buckets launched from the hooks in backward", stats.launched_in_backward >= 1,
+               f"{stats.launched_in_backward} of {stats.num_collectives}")
+    if cuda:
+        x, y = _data(999, size, dev)
+        error = _no_sync_error(lambda: _step(model, sync, opt, x, y), cuda)
+        numbers["overlap_sync_error"] = error
+        checks.add("overlap: no host sync in the whole step under set_sync_debug_mode('error')", error is None, error or "")
+        numbers["sleep_ms"] = 200.0
+        ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, numbers["sleep_ms"])
+        numbers["overlap_host_ahead"] = ahead
+        checks.add("overlap: the host got through a whole step while the device still slept", ahead)
+        numbers["profile_steps"] = size["profiled"]
+        busy = []
+
+        def run():
+            for k in range(size["profiled"]):
+                _step(model, sync, opt, *_data(2000 + k, size, dev))
+                busy.append(sync.stats.comm_busy_ms)
+
+        numbers["profiler_ar_ms"] = _profiled(run, "all_reduce", cuda) / max(1, size["profiled"])
+        numbers["report_ar_ms"] = sum(busy) / max(1, len(busy))
+    sync.close()
+
+
+def _sharded_pair(size, dev, group):
+    import torch
+
+    model, ref = _model(size, dev), _model(size, dev)
+    sync = one_rank_grad_sync()(model, bucket_mb=size["bucket_mb"], mode="sharded", process_group=group, timeout=60)
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    return model, ref, sync, opt, torch.optim.SGD(ref.parameters(), lr=0.01)
+
+
+def _param_diff(model, ref, sync) -> float:
+    sync.wait_for_params()
+    return max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
+
+
+def _sharded(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
+    model, ref, sync, opt, ref_opt = _sharded_pair(size, dev, group)
+    stats = None
+    for step in range(size["steps"]):
+        x, y = _data(step, size, dev)
+        _step(model, sync, opt, x, y)
+        _step(ref, _NoSync(), ref_opt, x, y)
+        stats = sync.stats
+    diff = _param_diff(model, ref, sync)
+    numbers.update(sharded_param_diff=diff, sharded_collectives=stats.num_collectives, sharded_gathers=stats.num_all_gathers)
+    checks.add("sharded: parameters equal plain SGD's (reduce-scatter, slice step, all-gather)", diff <= 1e-5,
+               f"max |diff| {diff:.1e}")
+    checks.add("sharded: every reduce-scatter's callback ran, and the previous step's all-gathers were recorded",
+               _callbacks_ran(stats) and stats.num_all_gathers == len(sync.buckets),
+               f"{len(stats.bucket_spans)} spans, {stats.num_collectives} reduce-scatters, "
+               f"{stats.num_all_gathers} all-gathers, {len(sync.buckets)} buckets")
+    if cuda:
+        x, y = _data(999, size, dev)
+        error = _no_sync_error(lambda: _step(model, sync, opt, x, y), cuda)
+        numbers["sharded_sync_error"] = error
+        checks.add("sharded: no host sync in the whole step under set_sync_debug_mode('error')", error is None, error or "")
+        ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, numbers.get("sleep_ms", 200.0))
+        numbers["sharded_host_ahead"] = ahead
+        checks.add("sharded: the host got through a whole step while the device still slept", ahead)
+        busy = []
+
+        def run():
+            for k in range(size["profiled"]):
+                _step(model, sync, opt, *_data(3000 + k, size, dev))
+                busy.append(sync.stats.comm_busy_ms)
+
+        per_step = _profiled(run, "reduce_scatter", cuda) / max(1, size["profiled"])
+        report = sum(busy) / max(1, len(busy))
+        numbers.update(profiler_rs_ms=per_step, report_rs_ms=report)
+        close = abs(report - per_step) <= max(PROFILE_TOLERANCE * per_step, PROFILE_FLOOR_MS)
+        checks.add("sharded: the report's reduce-scatter time is the profiler's kernel time (within 10 %)",
+                   per_step > 0 and close, f"report {report:.3f} ms vs profiler {per_step:.3f} ms a step")
+    sync.close()
+
+
+class _NoSync:
+    """The reference's stand-in for a GradSync: nothing to finish."""
+
+    def finish(self) -> None:
+        pass
+
+
+def _soak(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
+    import torch.distributed as dist
+
+    model, ref, sync, opt, ref_opt = _sharded_pair(size, dev, group)
+    t0 = time.perf_counter()
+    errors: list[str] = []
+    done = 0
+    for step in range(size["soak"]):
+        x, y = _data(10_000 + step, size, dev)
+        try:
+            loss = mse(model, x, y)
+            loss.backward()
+            sync.finish()
+            opt.step()                                   # launches the all-gathers on the gradient group
+            opt.zero_grad(set_to_none=True)
+            dist.all_reduce(loss.detach().clone())       # the default group, gathers still in flight
+        except Exception as exc:   # noqa: BLE001 - the table says where it broke
+            errors.append(f"step {step}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            break
+        _step(ref, _NoSync(), ref_opt, x, y)
+        done += 1
+    synchronize(cuda)
+    diff = _param_diff(model, ref, sync) if not errors else math.nan
+    numbers.update(soak_steps=done, soak_s=time.perf_counter() - t0, soak_param_diff=diff, soak_errors=errors)
+    checks.add(f"soak: {size['soak']} sharded steps beside default-group all-reduces, no error or hang",
+               done == size["soak"] and not errors, "; ".join(errors))
+    checks.add("soak: parameters still equal plain SGD's", diff <= 1e-4, f"max |diff| {diff:.1e}")
+    sync.close()
