@@ -55,8 +55,9 @@ def format_report(report: dict[str, Any], title: str = "hfstream step report") -
         cells = [_cell(r.get(f.key, math.nan), f.unit) for r in rows]
         lines.append(f"  {f.label:<{LABEL_WIDTH}}" + "".join(f"{c:>{CELL_WIDTH}}" for c in cells))
     if sharded:
-        lines.append("  ideal = forward + max(backward, comm busy) + optimizer (DDP's ceiling); cross-step limit = "
-                     "max(forward + backward + optimizer, comm busy); efficiency = cross-step limit / step")
+        lines += ["  ideal = forward + max(backward, comm busy) + optimizer (DDP's ceiling)",
+                  "  cross-step limit = max(forward + backward + optimizer, comm busy) (the ceiling here)",
+                  "  all-gather: the previous step's, behind this forward; efficiency = cross-step limit / step"]
     else:
         lines.append("  ideal = forward + max(backward, comm busy) + optimizer (the ceiling); efficiency = ideal / step")
     for note in report.get("notes") or ():

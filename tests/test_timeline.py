@@ -240,12 +240,15 @@ class FakeEvent:
         return other.t - self.t
 
 
-def _device_timeline(monkeypatch, gpu):
+def _device_timeline(monkeypatch, gpu, device=torch.device("cuda", 1)):
+    """A timeline on ``device`` whose events are ``gpu``'s; ``gpu.devices`` collects where each was recorded."""
     import hfstream.timeline as timeline
 
+    gpu.devices = []
     monkeypatch.setattr(timeline, "streams", types.SimpleNamespace(
-        new_event=lambda device, enable_timing=False: FakeEvent(gpu), current_stream=lambda device: None))
-    tl = StepTimeline(device=torch.device("cuda"))
+        new_event=lambda device, enable_timing=False: FakeEvent(gpu),
+        current_stream=lambda device: gpu.devices.append(device)))
+    tl = StepTimeline(device=device)
     assert tl._clock.device_events
     return tl
 
@@ -341,6 +344,9 @@ def test_spans_are_placed_from_one_reference_per_step(monkeypatch):
     (rec,) = tl.records
     assert rec.comm_busy_ms == pytest.approx(20.0) and rec.exposed_comm_ms == 5.0 and rec.step_ms == 40.0
     assert gpu.waits == 0
+    # Every mark went to the model's device's stream (cuda:1), not to the current device's: GradSync's
+    # events for finish() are there, so the exposed time and the step's windows share one stream.
+    assert gpu.devices and set(gpu.devices) == {torch.device("cuda", 1)}
 
 
 def test_design_doc_names_every_field_of_the_report():
