@@ -11,9 +11,16 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-PARTS = (("data_wait_ms", "data wait", "#c9c9c9"), ("forward_ms", "forward", "#4c72b0"),
-         ("backward_ms", "backward", "#55a868"), ("exposed_comm_ms", "exposed comm", "#c44e52"),
-         ("optimizer_ms", "optimizer", "#8172b2"))
+from hfstream.report_fields import BY_KEY
+
+# The step's parts, labelled as the report prints them (hfstream/report_fields.py).
+PARTS = tuple((key, BY_KEY[key].label, color) for key, color in (
+    ("data_wait_ms", "#c9c9c9"), ("forward_ms", "#4c72b0"), ("backward_ms", "#55a868"),
+    ("exposed_comm_ms", "#c44e52"), ("optimizer_ms", "#8172b2")))
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not math.isnan(v)
 
 
 def _subplots(figsize: tuple[float, float]):
@@ -37,10 +44,12 @@ def plot_breakdown(report: dict[str, Any], path: str | os.PathLike, title: str =
             v = 0.0 if v is None or math.isnan(v) else v
             ax.bar(x, v, bottom=bottom, color=color, label=label if x == 0 else None, width=0.6)
             bottom += v
-        ideal = row.get("ideal_ms", math.nan)
-        if not math.isnan(ideal):
-            ax.hlines(ideal, x - 0.4, x + 0.4, colors="black", linestyles="--",
-                      label="ceiling" if x == 0 else None)
+        # The mode's ceiling: the cross-step limit under grad_sync="sharded", the ideal step otherwise.
+        key = "cross_step_limit_ms" if _number(row.get("cross_step_limit_ms")) else "ideal_ms"
+        ceiling = row.get(key)
+        if _number(ceiling):
+            ax.hlines(ceiling, x - 0.4, x + 0.4, colors="black", linestyles="--",
+                      label=f"ceiling ({BY_KEY[key].label})" if x == 0 else None)
     ax.set_xticks(range(len(bars)), [name for name, _ in bars])
     ax.set_ylabel("ms per optimizer step")
     ax.set_title(title, fontsize=10)
