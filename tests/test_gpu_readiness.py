@@ -264,3 +264,26 @@ def _gradient_group_reuse(rank, world_size, tmp):
 def test_one_gradient_group_per_trainer_is_reused_by_every_train_call(tmp_path, run_distributed):
     for out in run_distributed(_gradient_group_reuse, 2, str(tmp_path), init_process_group=False, timeout=300):
         assert out == {"made": 1, "used": [True, True]}
+
+
+# -- make gpu-check part 6 on CPU -------------------------------------------------------------------------
+@pytest.mark.multiprocess
+def test_gpu_check_one_rank_part_keeps_grad_sync_active_at_world_size_1_on_cpu(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "part.json"
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "hfstream.tools.gpu_check", "--on-cpu", "--quick", "--parts", "onerank",
+                           "--json", str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (part,) = json.loads(out.read_text())["parts"]
+    assert part["status"] == "pass", part
+    passed = {name for name, ok, _ in part["checks"] if ok}
+    assert {"overlap: GradSync active on one rank (the test-only switch)",
+            "sharded: parameters equal plain SGD's (reduce-scatter, slice step, all-gather)"} <= passed
+    assert part["numbers"]["soak_steps"] == part["numbers"]["size"]["soak"]
