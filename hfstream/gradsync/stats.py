@@ -2,7 +2,9 @@
 
 The step report and the timeline read `SyncStats` (docs/design.md section 4). On CPU the
 spans are host times (``time.perf_counter``). On an accelerator they come from timing events,
-resolved only when ``GradSync.stats`` is read, so recording never forces the host to wait.
+resolved only when ``GradSync.stats`` is read or a step's `StepTimes` is called (the timeline
+calls it once ``ready()`` says its events have completed), so recording never forces the host
+to wait, and the timeline never does either.
 
 Under ``mode="sharded"`` a step's stats also carry the all-gathers that the *previous*
 optimizer step launched: those are the ones this step's forward waited for, so their exposed
