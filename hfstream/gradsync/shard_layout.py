@@ -13,6 +13,16 @@ and saving its state, a re-plan):
 The optimizer steps one tensor per piece (Megatron's distributed optimizer keeps per-parameter
 ranges the same way), so each piece has its own state and its own ``.grad``: a parameter that
 is frozen gets ``grad=None`` and is skipped, as the unsharded optimizer skips it.
+
+The parameters themselves are views of the bucket's gathered buffer (``gathered``; FSDP1's flat
+parameter and Megatron's parameter buffer do the same), so the all-gather writes them where
+they are: nothing is copied after a gather. It costs no memory: the buffer replaces the
+parameters' own storage (with a bf16/fp16 wire it even saves a copy of them, the gradient
+buffer no longer doubling as the gather's). A parameter that cannot be a view (a subclass of
+``nn.Parameter``, another dtype) or that was given new storage since (``p.data = ...``) is
+copied into after the gather instead, as before. `BucketShard.release` gives each parameter
+its own storage back when sharded mode ends, so the model leaves as it came (``safetensors``
+refuses tensors that share storage).
 """
 
 from __future__ import annotations
@@ -69,6 +79,7 @@ class BucketShard:
         pieces: this rank's `Piece` s, in layout order.
         tensors: what the optimizer steps, one per piece: views of ``master``, with ``.grad``
             views of ``grad``.
+        gathered: the padded parameters, all ranks' slices; the parameters are views of it.
         gather: the all-gather in flight, until `write_back` (None otherwise).
         timing: that gather's times for the step report (`stats`).
     """
@@ -90,15 +101,33 @@ class BucketShard:
             self.received = torch.empty(padded, dtype=wire, device=device)
         else:
             self.received = torch.empty(self.size, dtype=wire, device=device) if wire != dtype else None
-        # Between finish() and the next launch the gradient buffer is idle: the gather reuses it
-        # (`ShardedReduction.prepare` waits for a gather still writing there before packing).
-        self.gathered = st.buffer if wire == dtype else torch.empty(padded, dtype=dtype, device=device)
+        self.gathered = torch.zeros(padded, dtype=dtype, device=device)
         self.param_views = [self.gathered[o:o + n].view(p.shape)
                             for o, n, p in zip(self.offsets, self.numels, st.params)]
+        self._attach()
         self.tensors = [self.master[pc.start:pc.end].detach().requires_grad_() for pc in self.pieces]
         self.gather = None
         self.timing = None
         self._versions: list = [None] * len(st.params)   # (storage, version) of each parameter we last wrote or read
+
+    @torch.no_grad()
+    def _attach(self) -> None:
+        """Each parameter that can be becomes a view of ``gathered``, holding the values it has now."""
+        for p, view in zip(self.params, self.param_views):
+            view.copy_(p.detach())
+            if type(p) is torch.nn.Parameter and p.dtype == view.dtype and p.device == view.device:
+                p.data = view
+
+    def viewed(self) -> list[bool]:
+        """Per parameter: True if it is (still) a view of ``gathered``, so the gather wrote it in place."""
+        return [p.data_ptr() == v.data_ptr() and p.dtype == v.dtype for p, v in zip(self.params, self.param_views)]
+
+    @torch.no_grad()
+    def release(self) -> None:
+        """Give every parameter that is a view its own storage again (the end of sharded mode)."""
+        for p, is_view in zip(self.params, self.viewed()):
+            if is_view:
+                p.data = p.detach().clone()
 
     def _seen(self, slots) -> None:
         for s in slots:
@@ -126,5 +155,8 @@ class BucketShard:
 
     @torch.no_grad()
     def write_back(self) -> None:
-        torch._foreach_copy_(list(self.params), self.param_views)
+        """After the gather: copy into the parameters that are not views of ``gathered`` (usually none)."""
+        for p, view, is_view in zip(self.params, self.param_views, self.viewed()):
+            if not is_view:
+                p.copy_(view)
         self._seen(range(len(self.params)))

@@ -16,8 +16,9 @@ Where the data goes, per bucket (`shard_layout.BucketShard`):
                  piece tensors (views of it)
     step()       a pre-hook takes in parameters written since the last gather (`adopt_edits`);
                  the optimizer updates ``master``; a post-hook launches the all-gathers (`step_done`)
-    forward      a pre-hook on the first module that reads a bucket waits for it and copies the
-                 gathered values into the parameters (`param_waits`, `wait_bucket`)
+    forward      a pre-hook on the first module that reads a bucket waits for it (`param_waits`,
+                 `wait_bucket`); the parameters are views of the gathered buffer, so the
+                 gather wrote them in place (`shard_layout`)
 
 Between the step and the next forward the parameters are stale; whatever reads them there
 (`wait_for_params`; ``state_dict`` does it by itself; the Trainer for callbacks and
@@ -172,7 +173,7 @@ class ShardedReduction(Reduction):
 
     def prepare(self, st: BucketState) -> None:
         self.forward_started()
-        self.wait_bucket(st)   # its gather writes into the buffer the gradients go to (no forward used it)
+        self.wait_bucket(st)   # a bucket no forward used: its gather lands before its next reduce-scatter
 
     @torch.no_grad()
     def pack(self, st: BucketState, stream) -> None:
@@ -331,7 +332,7 @@ class ShardedReduction(Reduction):
             self.wait_bucket(self._bucket_of[i], exposed=module.training)
 
     def wait_bucket(self, st: BucketState, exposed: bool = False) -> None:
-        """Wait for ``st``'s all-gather (if any) and copy the gathered values into its parameters.
+        """Wait for ``st``'s all-gather (if any); its parameters then hold the gathered values.
 
         ``exposed``: the forward waits here, so the wait is what the step report shows as
         all-gather exposed time (host time, or the compute stream's stall from events).
@@ -352,8 +353,8 @@ class ShardedReduction(Reduction):
             raise RuntimeError(
                 f"GradSync(mode='sharded') rank {w.rank}: the all-gather of bucket {st.plan.index} "
                 f"(parameters {', '.join(st.plan.names[:6])}) did not complete: a peer rank died, stopped, or did "
-                f"not call optimizer.step() on its sharded optimizer; the model holds the previous step's values "
-                f"for these parameters. Underlying error: {exc}") from exc
+                f"not call optimizer.step() on its sharded optimizer; these parameters hold the previous step's "
+                f"values, or some of this step's where the gather got that far. Underlying error: {exc}") from exc
         if entered is not None:
             recorder.wait_left(device, entered)
         sh.timing.waited = True
@@ -366,9 +367,13 @@ class ShardedReduction(Reduction):
             self.wait_bucket(st)
 
     def close(self) -> None:
-        """Remove the hooks; the model is left with its updated parameters (pending gathers are waited for)."""
+        """Remove the hooks; the model is left with its updated parameters (pending gathers are waited for),
+        each in storage of its own again (`BucketShard.release`)."""
         if not self.wiring.abandoned:
             self.wait_for_params()
+        for st in self.states:
+            if st.layout is not None:
+                st.layout.release()
         self.waits.close()
         self.closed = True
         for handle in self._handles:
