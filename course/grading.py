@@ -540,12 +540,14 @@ def record(results: list[CaseResult]) -> None:
                 f.write(json.dumps(asdict(r)) + "\n")
     try:
         progress = load_progress()
-        best = progress.get(exercise_id)
-        if best and not entry["passed"]:
-            # The last time it passed, kept through any number of failing attempts since.
-            when = best.get("when") if best.get("passed") else best.get("passed_before")
-            if when:
-                entry["passed_before"] = when
+        best = progress.get(exercise_id) or {}
+        # When it first passed, kept through any number of attempts since, passing or failing (an
+        # entry from before this was kept has only its latest pass, "when" or "passed_before").
+        first = best.get("first_passed") or (best.get("when") if best.get("passed") else best.get("passed_before"))
+        if entry["passed"]:
+            entry["first_passed"] = first or now
+        elif first:
+            entry["passed_before"] = entry["first_passed"] = first
         progress[exercise_id] = entry
         path = progress_path()
         path.parent.mkdir(parents=True, exist_ok=True)

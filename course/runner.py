@@ -198,14 +198,16 @@ def cmd_progress(ns: argparse.Namespace) -> int:
                 marks.append(f"  {ex.id:<28} not tried")
             elif entry.get("passed"):
                 done += 1
-                marks.append(f"  {ex.id:<28} {'done':<12} ({entry.get('when', '?')})")
+                first = entry.get("first_passed", entry.get("when", "?"))
+                last = "" if entry.get("when", first) == first else f"; last checked {entry['when']}"
+                marks.append(f"  {ex.id:<28} {'done':<12} (first passed {first}{last})")
             elif entry.get("passed_before"):
                 # A pass is remembered: it counts as done, and says that it fails now.
                 done += 1
                 failing_now += 1
                 marks.append(f"  {ex.id:<28} passed before (failing now: {entry.get('cases_passed', 0)}/"
-                             f"{entry.get('cases', '?')} cases at {entry.get('when', '?')}; passed at "
-                             f"{entry['passed_before']})")
+                             f"{entry.get('cases', '?')} cases at {entry.get('when', '?')}; first passed at "
+                             f"{entry.get('first_passed', entry['passed_before'])})")
             else:
                 state = f"{entry.get('cases_passed', 0)}/{entry.get('cases', '?')} cases"
                 marks.append(f"  {ex.id:<28} {state:<12} ({entry.get('when', '?')})")

@@ -148,6 +148,22 @@ def test_progress_shows_an_exercise_passed_before_and_failing_now(capsys):
     assert "1 of them passed before and fail now" in out
 
 
+def test_progress_shows_when_an_exercise_first_passed_not_the_latest(tmp_path, capsys):
+    first = "2026-11-30T09:00:00+00:00"
+    old = {"00.ceiling": {"passed": True, "cases_passed": 3, "cases": 3, "when": first}}
+    (tmp_path / "progress.json").write_text(json.dumps(old))
+    assert all(r.passed for r in check("00.ceiling", namespace=run_cell(textwrap.dedent(CEILING_RIGHT)), quiet=True))
+    assert load_progress()["00.ceiling"]["first_passed"] == first        # a later pass keeps the first
+    wrong = CEILING_RIGHT.replace("max(backward_ms, comm_busy_ms)", "backward_ms + comm_busy_ms")
+    assert not all(r.passed for r in check("00.ceiling", namespace=run_cell(wrong), quiet=True))
+    assert load_progress()["00.ceiling"]["passed_before"] == first       # and so does a failure
+    assert all(r.passed for r in check("00.ceiling", namespace=run_cell(textwrap.dedent(CEILING_RIGHT)), quiet=True))
+    capsys.readouterr()
+    assert runner.main(["progress"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if "00.ceiling" in ln)
+    assert f"first passed {first}" in line and "last checked" in line, line
+
+
 def test_grade_takes_several_lessons_or_all(monkeypatch, capsys):
     graded = []
 

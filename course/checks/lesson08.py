@@ -97,7 +97,8 @@ def _(learner):
 
 
 @migrate.case("every stock setting survives the migration",
-              hint="copy each TrainingArguments setting of stock_trainer into StreamTrainingArguments unchanged")
+              hint='every setting of the stock TrainingArguments must reach the new arguments unchanged',
+              reveal="copy each TrainingArguments setting of stock_trainer into StreamTrainingArguments unchanged")
 def _(learner):
     from transformers import TrainingArguments
 
@@ -114,8 +115,9 @@ def _(learner):
 
 
 @migrate.case("hfstream's settings: prefetch 2 batches, overlap, 1 MiB buckets",
-              hint="prefetch_depth=2, grad_sync='overlap'; keep ddp_bucket_cap_mb=1 (hfstream reads it) or set "
-                   "grad_bucket_mb=1")
+              hint='the exercise names three hfstream settings: the prefetch depth, the sync mode and the bucket size',
+              reveal="prefetch_depth=2, grad_sync='overlap'; keep ddp_bucket_cap_mb=1 (hfstream reads it) or set "
+                     "grad_bucket_mb=1")
 def _(learner):
     trainer, _ = _build(learner)
     args = trainer.args
@@ -132,7 +134,8 @@ def _(learner):
 
 
 @migrate.case("it trains (one process here) and produces the step report",
-              hint="nothing else to change: StreamTrainer.train() then stream_report()", timeout=120)
+              hint='once the two names are swapped nothing else changes: it trains, and the step report exists',
+              reveal="nothing else to change: StreamTrainer.train() then stream_report()", timeout=120)
 def _(learner):
     trainer, _ = _build(learner)
     with one_thread(), contextlib.redirect_stdout(io.StringIO()):   # the Trainer's log lines: not ours to show
@@ -232,7 +235,8 @@ def _answers(learner, report) -> dict:
 
 
 @read.case("efficiency and headroom come from the mean over ranks",
-           hint="m = report['mean']; efficiency = m['ideal_ms'] / m['step_ms']; headroom_ms = m['step_ms'] - m['ideal_ms']")
+           hint='both come from the mean over ranks, not from one rank; efficiency is a ratio below 1, headroom a time in ms',
+           reveal="m = report['mean']; efficiency = m['ideal_ms'] / m['step_ms']; headroom_ms = m['step_ms'] - m['ideal_ms']")
 def _(learner):
     for name, report in _cases(learner):
         got, want = _answers(learner, report), report_truth(report)
@@ -255,8 +259,9 @@ def _(learner):
 
 
 @read.case("the biggest cost above the ceiling: data wait, exposed communication or the untracked rest",
-           hint="other = step_ms - (data_wait + forward + backward + exposed_comm + optimizer); pick the largest "
-                "of data_wait_ms, exposed_comm_ms, other")
+           hint='what sits above the ceiling is the data wait, the exposed communication, or time no phase accounts for',
+           reveal="other = step_ms - (data_wait + forward + backward + exposed_comm + optimizer); pick the largest "
+                  "of data_wait_ms, exposed_comm_ms, other")
 def _(learner):
     for name, report in _cases(learner):
         got, want = _answers(learner, report), report_truth(report)
@@ -280,7 +285,8 @@ def _(learner):
 
 
 @read.case("the slowest rank: the one every all-reduce waits for",
-           hint="the index i of report['per_rank'] with the largest step_ms")
+           hint='the slowest rank is the one whose step is longest',
+           reveal="the index i of report['per_rank'] with the largest step_ms")
 def _(learner):
     for name, report in _cases(learner):
         got, want = _answers(learner, report), report_truth(report)
