@@ -510,7 +510,8 @@ ax1.plot(sizes, [r["step_overlap_ms"] / r["ideal_ms"] for r in rows], "s-", colo
 ax1.plot(sizes, [r["ideal_ms"] / compute_only for r in rows], "k--", label="ceiling / compute-only step")
 ax1.axhline(1.0, color="#55a868", lw=1, ls=":")
 if doc["overlap_incomplete_from"]:
-    ax1.axvline(doc["overlap_incomplete_from"], color="grey", lw=0.8)
+    ax1.axvline(doc["overlap_incomplete_from"], color="grey", lw=0.8,
+                label=f"crossover: comm busy > backward from N = {doc['overlap_incomplete_from']}")
 ax1.set_title(f"planner (a model): {shape.name}, {cfg.link_gbs:g} GB/s, {cfg.latency_us:g} us, 25 MiB buckets", fontsize=9)
 print(f"ceiling / compute-only step at N = {sizes[-1]}: {rows[-1]['ideal_ms'] / compute_only:.2f}")
 
@@ -533,22 +534,23 @@ for x, (name, measured) in zip(xs, runs.items()):
     ax2.plot([x], [1 / measured["efficiency"]], "*" if name == "your run" else "o", ms=16 if name == "your run" else 9,
              color="#4c72b0" if name == "your run" else "#c44e52",
              label="your run, measured" if name == "your run" else ("measured, simulated link" if x == 0 else None))
-    ax2.annotate(f"{measured['efficiency']:.2f}", (x, 1 / measured["efficiency"]), textcoords="offset points",
+    ax2.annotate(f"{1 / measured['efficiency']:.2f}", (x, 1 / measured["efficiency"]), textcoords="offset points",
                  xytext=(10, -3), fontsize=8)
 xr = len(runs)
 ax2.axvline(xr - 0.5, color="black", lw=0.6)
 for k, (name, r) in enumerate(real["runs"].items()):
     ax2.plot([xr + k], [1 / r["efficiency"]], "s", ms=9, color="#55a868",
              label="measured, real loopback (nothing simulated)" if k == 0 else None)
-    ax2.annotate(f"{r['efficiency']:.2f}", (xr + k, 1 / r["efficiency"]), textcoords="offset points", xytext=(10, -3), fontsize=8)
+    ax2.annotate(f"{1 / r['efficiency']:.2f}", (xr + k, 1 / r["efficiency"]), textcoords="offset points", xytext=(10, -3), fontsize=8)
     labels.append("real loopback:\n" + short(r["config"]))
-ax2.axhline(1 / THRESHOLD, color="grey", ls="--", lw=0.8, label=f"pass line: efficiency {THRESHOLD:.2f}")
+ax2.axhline(1 / THRESHOLD, color="grey", ls="--", lw=0.8,
+            label=f"pass line: step / ceiling {1 / THRESHOLD:.2f} (efficiency = ceiling / step {THRESHOLD:.2f})")
 ax2.axhline(1.0, color="#55a868", lw=1, ls=":")
 ax2.set_xticks(range(len(labels)), labels, fontsize=6.5)
 ax2.set_xlim(-0.5, len(labels) - 0.5)
 ax2.set_title("the lab at N = 2. SIMULATED link: its speed is set each step from this machine's backward\n"
               "(1.2 x backward per all-reduce); no congestion, no jitter, no network CPU cost", fontsize=8)
-ax2.set_ylabel("step / ceiling (1 = at the ceiling)")
+ax2.set_ylabel("step / ceiling (1 = at the ceiling; labels: its value)")
 ax2.legend(fontsize=7)
 ax1.set_xscale("log", base=2)
 ax1.set_xlabel("world size N")

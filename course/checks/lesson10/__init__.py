@@ -14,9 +14,10 @@ all-to-all, all-gather and point-to-point transfer to what its bytes would take 
 """
 
 from . import gather_hook, reduce_scatter, sharded_step  # noqa: F401  (registers the exercises)
-from .measure import measure_modes, measure_reduce_scatter, modes_figure, rs_figure, timeline_figure
+from .measure import (measure_modes, measure_reduce_scatter, modes_figure, modes_sentences, rs_figure,
+                      timeline_figure, timeline_sentences)
 from .threads import ThreadWorld, in_threads
 from .trainer import profile_sharded_step, train_sharded
 
-__all__ = ["ThreadWorld", "in_threads", "measure_modes", "measure_reduce_scatter", "modes_figure",
-           "profile_sharded_step", "rs_figure", "timeline_figure", "train_sharded"]
+__all__ = ["ThreadWorld", "in_threads", "measure_modes", "measure_reduce_scatter", "modes_figure", "modes_sentences",
+           "profile_sharded_step", "rs_figure", "timeline_figure", "timeline_sentences", "train_sharded"]

@@ -151,7 +151,19 @@ def _compute_step(model, ids, opt) -> tuple[float, float, float]:
     return t1 - t0, t2 - t1, time.perf_counter() - t2
 
 
-def _modes_rank(rank, world_size, steps, rounds, comm_ratio, bucket_mb, layers, width):
+def _agree_max(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _modes_rank(rank, world_size, steps, rounds, comm_ratios, bucket_mb, layers, width, seed):
+    """One rank of `measure_modes`. Every round: a block of compute-only steps, the link sized from
+    it (every ``comm_ratio``), then one block of consecutive steps per (mode, link), in an order
+    shuffled every round (the same on every rank), so that a busy moment of the machine does not
+    always hit the same mode."""
+    import random
+
     import transformers
 
     from course.lib import tiny_gpt2
@@ -164,16 +176,11 @@ def _modes_rank(rank, world_size, steps, rounds, comm_ratio, bucket_mb, layers, 
         model = tiny_gpt2(layers=layers, width=width)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
 
-    # Size the link from a first look at the compute: one all-reduce of every gradient takes
-    # comm_ratio x (forward + backward). The parts the formulas use are measured again below,
-    # in the same rounds as the modes, so that a busy moment of the machine hits them all.
     model, opt = build()
-    probe = [_compute_step(model, ids, opt) for _ in range(4)][1:]
-    agreed = torch.tensor([statistics.median(p[0] + p[1] for p in probe)])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    for _ in range(2):
+        _compute_step(model, ids, opt)            # warm-up: the first steps allocate
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    comm = comm_ratio * agreed.item()
-    link = SimulatedLink(2 * (world_size - 1) / world_size * grad_bytes * 8 / comm / 1e6, record=True)
+    wire_bits = 2 * (world_size - 1) / world_size * grad_bytes * 8
     runs = {"compute": (model, opt, None)}
     for mode in ("overlap", "sharded"):
         model, opt = build()
@@ -181,21 +188,36 @@ def _modes_rank(rank, world_size, steps, rounds, comm_ratio, bucket_mb, layers, 
         if mode == "sharded":
             opt = sync.shard_optimizer(opt)
         runs[mode] = (model, opt, sync)
+    link = SimulatedLink(1000.0, record=True)
+    order = random.Random(seed)
     timeline = None
-    steps_ms, parts = collections.defaultdict(list), collections.defaultdict(list)
+    parts = collections.defaultdict(list)          # per compute step: forward, backward, optimizer (ms)
+    comm = collections.defaultdict(list)           # per round and link: the whole all-reduce's time (ms)
+    blocks = collections.defaultdict(list)         # per round, mode and link: that block's steps (ms)
     with link.installed():
-        for round_ in range(rounds):                # blocks of consecutive steps, the modes taking turns
-            for mode, (model, opt, sync) in runs.items():
-                dist.barrier()
-                if sync is None:
-                    for _ in range(steps):
-                        for k, v in zip(("forward", "backward", "optimizer"), _compute_step(model, ids, opt)):
-                            parts[k].append(v * 1e3)
-                    continue
+        for round_ in range(rounds):
+            model, opt, _ = runs["compute"]
+            dist.barrier()
+            fb = []
+            for _ in range(steps):
+                f, b, o = _compute_step(model, ids, opt)
+                fb.append(f + b)
+                for k, v in zip(("forward", "backward", "optimizer"), (f, b, o)):
+                    parts[k].append(v * 1e3)
+            # This round's link: one all-reduce of every gradient takes comm_ratio x (forward +
+            # backward) of the compute just measured (the slowest rank's), however loaded the machine.
+            fwd_bwd = _agree_max(statistics.median(fb))
+            rates = {ratio: wire_bits / (ratio * fwd_bwd) / 1e6 for ratio in comm_ratios}
+            for ratio in comm_ratios:
+                comm[ratio].append(ratio * fwd_bwd * 1e3)
+            todo = [(mode, ratio) for ratio in comm_ratios for mode in ("overlap", "sharded")]
+            for mode, ratio in order.sample(todo, len(todo)):
+                model, opt, sync = runs[mode]
                 sync.wait_for_params()
-                starts, marks = [], []
-                record = mode == "sharded" and round_ == rounds - 1
-                hooks = []
+                dist.barrier()
+                link.rate_mbit = rates[ratio]
+                record = mode == "sharded" and round_ == rounds - 1 and ratio == comm_ratios[0]
+                starts, marks, hooks = [], [], []
                 if record:
                     names = _block_names(model)
                     for m in model.modules():
@@ -230,60 +252,152 @@ def _modes_rank(rank, world_size, steps, rounds, comm_ratio, bucket_mb, layers, 
                                 "next_step": starts[steps + 1] - t0}
                     for h in hooks:
                         h.remove()
-                steps_ms[mode] += [(b - a) * 1e3 for a, b in zip(starts[1:-1], starts[2:])]
+                # The steps of a block from one start to the next (the first is a warm-up after the
+                # modes' turn; the last start only closes the step before it).
+                blocks[f"{mode}@{ratio:g}"].append([(b - a) * 1e3 for a, b in zip(starts[1:-1], starts[2:])])
+                link.events.clear()
         for _, _, sync in runs.values():
             if sync is not None:
                 sync.close()
-    return {"parts": dict(parts), "comm_ms": comm * 1e3, "rate_mbit": link.rate_mbit, "grad_mib": grad_bytes / MiB,
-            "steps_ms": dict(steps_ms), "timeline": timeline, "buckets": len(runs["sharded"][2].buckets)}
+    return {"parts": dict(parts), "comm_ms": {f"{r:g}": v for r, v in comm.items()}, "grad_mib": grad_bytes / MiB,
+            "blocks": dict(blocks), "timeline": timeline, "buckets": len(runs["sharded"][2].buckets)}
 
 
-def measure_modes(steps: int = 3, rounds: int = 2, comm_ratio: float = 1.0, bucket_mb: float = 0.25,
-                  layers: int = 4, width: int = 128) -> dict:
-    """A tiny GPT-2 on 2 gloo ranks on a simulated link (`SimulatedLink`) sized so that one all-reduce of
-    every gradient takes about ``comm_ratio`` x (forward + backward): GradSync ``"overlap"`` and
-    ``"sharded"`` measured; DDP's ceiling and the cross-step limit computed from forward, backward
-    and optimizer measured without communication in the same rounds, and the link's all-reduce time."""
+def measure_modes(steps: int = 3, rounds: int = 3, comm_ratios: tuple[float, ...] = (1.0, 2.0),
+                  bucket_mb: float = 0.25, layers: int = 4, width: int = 128, seed: int = 0) -> dict:
+    """A tiny GPT-2 on 2 gloo ranks: GradSync ``"overlap"`` and ``"sharded"`` measured on simulated links
+    (`SimulatedLink`) on which one all-reduce of every gradient takes ``comm_ratio`` x (forward +
+    backward), in ``rounds`` rounds of interleaved blocks (see `_modes_rank`). DDP's ceiling and the
+    cross-step limit are computed from forward, backward and optimizer measured without
+    communication in the same rounds, and from the link's all-reduce time.
+
+    Returns:
+        ``links``: per comm_ratio, the medians over rounds of overlap and sharded (each round's
+        value the median of its block, the slowest rank per step), their per-round values, the
+        ceiling and the limit; and the compute parts, the gradient size, the buckets, one sharded
+        step's timeline (on the first link), ``rounds``, ``world_size``.
+    """
     from hfstream.testing import run_on_ranks
 
-    out = run_on_ranks(_modes_rank, 2, steps, rounds, comm_ratio, bucket_mb, layers, width, timeout=150,
-                       pg_timeout_s=60)
+    out = run_on_ranks(_modes_rank, 2, steps, rounds, tuple(comm_ratios), bucket_mb, layers, width, seed,
+                       timeout=240, pg_timeout_s=90)
     n = len(out)
     f, b, o = (max(statistics.median(r["parts"][k]) for r in out) for k in ("forward", "backward", "optimizer"))
-    c = out[0]["comm_ms"]
-    step = {mode: statistics.median(max(x) for x in zip(*(r["steps_ms"][mode] for r in out)))
-            for mode in out[0]["steps_ms"]}
-    return {**{k: out[0][k] for k in ("comm_ms", "rate_mbit", "grad_mib", "timeline", "buckets")},
-            "forward_ms": f, "backward_ms": b, "optimizer_ms": o, "world_size": n,
-            "overlap_ms": step["overlap"], "sharded_ms": step["sharded"],
-            "ddp_ceiling_ms": f + max(b, c) + o, "limit_ms": cross_step_limit(f, b, o / n, c)}
+
+    def per_round(key):
+        # each step: the slowest rank; each block: the median step; one value per round
+        return [statistics.median(max(x) for x in zip(*steps_)) for steps_ in zip(*(r["blocks"][key] for r in out))]
+
+    links = []
+    for ratio in comm_ratios:
+        c = statistics.median(out[0]["comm_ms"][f"{ratio:g}"])
+        over, shard = per_round(f"overlap@{ratio:g}"), per_round(f"sharded@{ratio:g}")
+        links.append({"comm_ratio": ratio, "comm_ms": c,
+                      "rate_mbit": 2 * (n - 1) / n * out[0]["grad_mib"] * MiB * 8 / (c / 1e3) / 1e6,
+                      "overlap_ms": statistics.median(over), "sharded_ms": statistics.median(shard),
+                      "overlap_rounds": over, "sharded_rounds": shard,
+                      "sharded_wins": sum(s < v for s, v in zip(shard, over)),
+                      "ddp_ceiling_ms": f + max(b, c) + o, "limit_ms": cross_step_limit(f, b, o / n, c)})
+    first = links[0]
+    return {"links": links, "forward_ms": f, "backward_ms": b, "optimizer_ms": o, "world_size": n,
+            "rounds": rounds, "steps": steps, "grad_mib": out[0]["grad_mib"], "buckets": out[0]["buckets"],
+            "timeline": out[0]["timeline"],
+            **{k: first[k] for k in ("comm_ms", "rate_mbit", "overlap_ms", "sharded_ms", "ddp_ceiling_ms",
+                                     "limit_ms")}}
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.0f}-{max(values):.0f} ms over {len(values)} rounds"
+
+
+def modes_sentences(m: dict) -> list[str]:
+    """What this measurement says, one sentence per link, computed from its numbers (never a claim
+    the numbers do not carry)."""
+    out = []
+    for ln in m["links"]:
+        over, shard, rounds = ln["overlap_ms"], ln["sharded_ms"], len(ln["sharded_rounds"])
+        head = f"link at {ln['comm_ratio']:g} x (forward + backward), {ln['rate_mbit']:.0f} Mbit/s: "
+        gain = over - shard
+        if ln["sharded_wins"] == rounds:
+            verdict = f"sharded beat overlap in every round, by {gain:.0f} ms at the median ({gain / over:.0%})"
+        elif ln["sharded_wins"] == 0:
+            verdict = f"sharded did not beat overlap in any round ({-gain:.0f} ms slower at the median)"
+        else:
+            verdict = (f"sharded beat overlap in {ln['sharded_wins']} of {rounds} rounds "
+                       f"(medians {shard:.0f} vs {over:.0f} ms): not a result this machine reproduces")
+        best = ln["ddp_ceiling_ms"]
+        vs_ddp = (f"{best - shard:.0f} ms below DDP's best ({best:.0f} ms), which no all-reduce schedule can beat"
+                  if shard < best else f"not below DDP's best ({best:.0f} ms)")
+        over_limit = shard - ln["limit_ms"]
+        tol = 0.05 * ln["limit_ms"]
+        if over_limit > tol:
+            lim = f"{over_limit:.0f} ms above its own limit ({ln['limit_ms']:.0f} ms)"
+        elif over_limit >= -tol:
+            lim = f"at its own limit ({ln['limit_ms']:.0f} ms, within 5 %)"
+        else:
+            lim = (f"below the limit computed for it ({ln['limit_ms']:.0f} ms), which nothing can beat: the "
+                   f"limit's parts, measured without communication, came out slower than the same work did "
+                   f"inside the sharded steps (a busy machine), so read it as at the limit")
+        out.append(head + verdict + f"; sharded {shard:.0f} ms ({_spread(ln['sharded_rounds'])}), overlap "
+                   f"{over:.0f} ms ({_spread(ln['overlap_rounds'])}); sharded is {vs_ddp}, and {lim}.")
+    return out
 
 
 def modes_figure(m: dict, path) -> Path:
-    """Four bars: DDP's ceiling and the cross-step limit (computed, light), overlap and sharded (measured)."""
+    """Per link: DDP's ceiling and the cross-step limit (computed, hatched), overlap and sharded
+    (measured: the median over rounds, the whisker their range)."""
     from matplotlib.figure import Figure
 
-    bars = [("DDP's best\nfwd + max(bwd, comm) + opt", m["ddp_ceiling_ms"], "computed"),
-            ("overlap", m["overlap_ms"], "measured"), ("sharded", m["sharded_ms"], "measured"),
-            ("cross-step limit\nmax(fwd + bwd + opt/N, comm)", m["limit_ms"], "computed")]
-    fig = Figure(figsize=(6.8, 3.5))
+    fig = Figure(figsize=(8.6, 3.8))
     ax = fig.subplots()
     style = {"computed": dict(color="#c9d6ea", edgecolor="#4c72b0", hatch="//"), "measured": dict(color="#4c72b0")}
-    for kind in ("computed", "measured"):
-        xs = [i for i, bar in enumerate(bars) if bar[2] == kind]
-        drawn = ax.bar(xs, [bars[i][1] for i in xs], label=kind, **style[kind])
-        ax.bar_label(drawn, fmt="%.1f ms", fontsize=8)
-    ax.set_xticks(range(len(bars)), [bar[0] for bar in bars], fontsize=7)
-    ax.set_ylim(0, max(bar[1] for bar in bars) * 1.18)
+    names = ["DDP's best\nfwd + max(bwd, comm) + opt", "overlap", "sharded", "cross-step limit\nmax(fwd + bwd + opt/N, comm)"]
+    width, top = 0.8 / len(names), 0.0
+    for g, ln in enumerate(m["links"]):
+        values = [("computed", ln["ddp_ceiling_ms"], None), ("measured", ln["overlap_ms"], ln["overlap_rounds"]),
+                  ("measured", ln["sharded_ms"], ln["sharded_rounds"]), ("computed", ln["limit_ms"], None)]
+        for k, (kind, v, spread) in enumerate(values):
+            x = g + (k - 1.5) * width
+            err = None if spread is None else [[v - min(spread)], [max(spread) - v]]
+            bar = ax.bar([x], [v], width * 0.92, yerr=err, capsize=3, label=kind if g == 0 and k < 2 else None,
+                         **style[kind])
+            ax.bar_label(bar, fmt="%.0f", fontsize=7, padding=2 if spread is None else 8)
+            top = max(top, v if spread is None else max(spread))
+    ticks = [g + (k - 1.5) * width for g in range(len(m["links"])) for k in range(len(names))]
+    ax.set_xticks(ticks, names * len(m["links"]), fontsize=5.5)
+    for g, ln in enumerate(m["links"]):
+        ax.text(g, top * 1.22, f"SIMULATED {ln['rate_mbit']:.0f} Mbit/s: all-reduce = {ln['comm_ms']:.0f} ms "
+                f"= {ln['comm_ratio']:g} x (fwd + bwd)", ha="center", fontsize=7)
+    ax.set_ylim(0, top * 1.32)
     ax.set_ylabel("ms per step (2 ranks)")
-    ratio = m["comm_ms"] / (m["forward_ms"] + m["backward_ms"])
-    ax.set_title(f"tiny GPT-2, 2 gloo ranks, SIMULATED {m['rate_mbit']:.0f} Mbit/s link: an all-reduce of all "
-                 f"gradients\n= {m['comm_ms']:.0f} ms = {ratio:.2f} x (forward + backward); medians of a few steps",
+    ax.set_title(f"tiny GPT-2, 2 gloo ranks: medians of {m['rounds']} interleaved rounds (whiskers: their range)",
                  fontsize=8)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return Path(path)
+
+
+def timeline_sentences(m: dict) -> list[str]:
+    """Where the all-gathers of the recorded sharded step sat, from the timeline itself."""
+    tl = m["timeline"]
+    at = dict(tl["marks"])
+    end = at["next forward end"]              # the figure's window: this step and the next forward
+    mine = [e for e in tl["transfers"] if e["launch"] <= end]
+    gathers = [e for e in mine if e["kind"] == "all_gather" and e["bytes"] >= 64]
+    scatters = [e for e in mine if e["kind"] == "all_to_all"]
+    if not gathers:
+        return ["no all-gather was recorded in this step"]
+    before_bwd_end = sum(e["launch"] < at["optimizer"] for e in scatters)
+    in_step = sum(e["launch"] < at["step end"] for e in gathers)
+    in_flight = sum(e["done"] > tl["next_step"] for e in gathers)
+    return [f"{before_bwd_end} of {len(scatters)} reduce-scatters were launched during backward (the last ones by "
+            f"finish()), before the clip;",
+            f"{in_step} of {len(gathers)} all-gathers were launched during clip + step (each as soon as its bucket's "
+            f"slice was stepped), the others after it;",
+            f"{in_flight} of them were still on the link when the next forward began; the last arrived "
+            f"{(max(e['done'] for e in gathers) - tl['next_step']) * 1e3:.0f} ms into that forward, which took "
+            f"{(at['next forward end'] - tl['next_step']) * 1e3:.0f} ms."]
 
 
 def timeline_figure(m: dict, path) -> Path:
@@ -291,7 +405,7 @@ def timeline_figure(m: dict, path) -> Path:
     from matplotlib.figure import Figure
 
     tl = m["timeline"]
-    fig = Figure(figsize=(7.6, 3.4))
+    fig = Figure(figsize=(8.8, 3.4))
     ax = fig.subplots()
     marks = tl["marks"]
     at = {n: t for n, t in marks if n in ("backward", "optimizer", "step end", "next forward end")}
@@ -318,9 +432,9 @@ def timeline_figure(m: dict, path) -> Path:
         shown.add(label)
     ax.set_yticks([0, 1, 2], ["all-gathers\n(link)", "reduce-scatters\n(link)", "compute\n(rank 0)"], fontsize=7)
     ax.set_xlabel("ms from the start of the step (ticks on the forward: a block starts)")
-    ax.set_title("one sharded step on a SIMULATED link: the gathers launched after the step travel under the "
-                 "next forward", fontsize=8)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title("one sharded step on rank 0, SIMULATED link: where the reduce-scatters and all-gathers travel",
+                 fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return Path(path)

@@ -22,7 +22,7 @@ def _trainer_rank(rank, world_size, out_dir, grad_sync):
     ids = torch.randint(0, 257, (64, 32), generator=g)
     data = datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
     args = StreamTrainingArguments(output_dir=out_dir, grad_sync=grad_sync, max_steps=8, per_device_train_batch_size=4,
-                                   learning_rate=1e-3, max_grad_norm=1.0, logging_steps=4, save_strategy="no",
+                                   learning_rate=1e-3, max_grad_norm=1.0, logging_steps=1, save_strategy="no",
                                    report_to=[], seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
                                    prefetch_depth=0, lr_scheduler_type="constant")
     trainer = StreamTrainer(model=tiny_gpt2(layers=2, width=64), args=args, train_dataset=data)
