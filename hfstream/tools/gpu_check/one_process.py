@@ -122,7 +122,7 @@ def part_trainer(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
         f"loss {drop[0]:.3f} -> {drop[1]:.3f} in {len(losses)} steps (tiny GPT-2, batch {batch}x{seq}, "
         f"grad_sync {report.get('grad_sync') if report else '?'}, prefetch_depth {report.get('prefetch_depth') if report else '?'})",
         f"stream_report mean: data wait {ms('data_wait_ms')}, forward {ms('forward_ms')}, backward {ms('backward_ms')}, "
-        f"optimizer {ms('optimizer_ms')}, step {ms('step_ms')}, ceiling {ms('ideal_ms')} ms, efficiency "
+        f"optimizer {ms('optimizer_ms')}, step {ms('step_ms')}, ideal {ms('ideal_ms')} ms, efficiency "
         + (f"{100 * eff:.0f} %" if isinstance(eff, float) and math.isfinite(eff) else "n/a"),
     ]
     return checks.result(summary, dict(losses=losses, mean=mean), detail=str(report) if report else "")
