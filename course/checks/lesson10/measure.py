@@ -359,9 +359,9 @@ def modes_figure(m: dict, path) -> Path:
         for k, (kind, v, spread) in enumerate(values):
             x = g + (k - 1.5) * width
             err = None if spread is None else [[v - min(spread)], [max(spread) - v]]
-            bar = ax.bar([x], [v], width * 0.92, yerr=err, capsize=3, label=kind if g == 0 and k < 2 else None,
+            ax.bar([x], [v], width * 0.92, yerr=err, capsize=3, label=kind if g == 0 and k < 2 else None,
                          **style[kind])
-            ax.bar_label(bar, fmt="%.0f", fontsize=7, padding=2 if spread is None else 8)
+            ax.text(x, v if spread is None else max(spread), f"{v:.0f}", ha="center", va="bottom", fontsize=7)
             top = max(top, v if spread is None else max(spread))
     ticks = [g + (k - 1.5) * width for g in range(len(m["links"])) for k in range(len(names))]
     ax.set_xticks(ticks, names * len(m["links"]), fontsize=5.5)
