@@ -307,3 +307,30 @@ def test_thread_ranks_that_call_different_collectives_fail_fast_instead_of_hangi
     assert time.perf_counter() - start < 5
     assert errors[1] is None and "every rank must make the same calls" in str(errors[0]), errors
     assert dist.all_reduce.__module__.startswith("torch"), "the real torch.distributed is back"
+
+
+# --------------------------------------------------------------------------- the measured sentences
+def _link(ratio, wins, sharded, overlap, limit, rounds=3):
+    return {"comm_ratio": ratio, "rate_mbit": 100.0, "overlap_ms": overlap, "sharded_ms": sharded,
+            "overlap_rounds": [overlap - 5, overlap, overlap + 5], "sharded_rounds": [sharded - 3, sharded, sharded + 3],
+            "sharded_wins": wins, "ddp_ceiling_ms": overlap - 10, "limit_ms": limit}
+
+
+@pytest.mark.parametrize("sharded, limit, words", [
+    (250.0, 200.0, "50 ms above its own limit"),
+    (195.0, 200.0, "at its own limit"),
+    (150.0, 200.0, "below the limit computed for it"),
+], ids=["above", "at", "below"])
+def test_the_distance_to_the_limit_is_said_as_measured_never_negative(sharded, limit, words):
+    from course.checks.lesson10 import modes_sentences
+
+    text = " ".join(modes_sentences({"links": [_link(1.0, 3, sharded, 300.0, limit)]}))
+    assert words in text and "-" not in text.split("above its own limit")[0][-12:], text
+
+
+def test_the_verdict_follows_the_rounds_and_says_when_only_the_slower_link_shows_it():
+    from course.checks.lesson10 import modes_sentences
+
+    text = modes_sentences({"links": [_link(1.0, 1, 200.0, 210.0, 190.0), _link(2.0, 3, 300.0, 350.0, 290.0)]})
+    assert "beat overlap in 1 of 3 rounds" in text[0] and "not a result this machine reproduces" in text[0]
+    assert "in every round" in text[1] and "only on the slower link" in text[2], text

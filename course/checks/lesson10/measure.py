@@ -340,6 +340,15 @@ def modes_sentences(m: dict) -> list[str]:
                    f"inside the sharded steps (a busy machine), so read it as at the limit")
         out.append(head + verdict + f"; sharded {shard:.0f} ms ({_spread(ln['sharded_rounds'])}), overlap "
                    f"{over:.0f} ms ({_spread(ln['overlap_rounds'])}); sharded is {vs_ddp}, and {lim}.")
+    wins = [ln["sharded_wins"] == len(ln["sharded_rounds"]) for ln in m["links"]]
+    if len(wins) > 1 and wins[-1] and not all(wins):
+        out.append(f"On this machine sharded's advantage held in every round only on the slower link "
+                   f"({m['links'][-1]['comm_ratio']:g} x): on the faster one the transfers that should hide under "
+                   f"the forward share its two cores with it (gloo's threads).")
+    elif not any(wins):
+        out.append("On this machine sharded's advantage did not hold in every round on either link: the formula's "
+                   "promise is not what this run measured (run the cell again on an idle machine to see whether "
+                   "it is the load).")
     return out
 
 
