@@ -180,7 +180,8 @@ class StreamTrainerMixin:
             state = self.accelerator.gradient_state
             self._prefetcher = StreamPrefetcher(tag_loader_state(epoch_iterator, state), device=self.args.device,
                                                 depth=self.args.prefetch_depth, time_copies=self.args.stream_report,
-                                                source_issues_collectives=self._loader_collectives)
+                                                source_issues_collectives=self._loader_collectives,
+                                                batches_per_step=self.args.gradient_accumulation_steps)
             self._prefetch_iter = restore_loader_state(iter(self._prefetcher), state, self._loader_view)
             self._prefetch_source = epoch_iterator
         return self._prefetch_iter
@@ -418,6 +419,19 @@ class StreamTrainerMixin:
                                     prefetch_depth=self.args.prefetch_depth,
                                     spans=[span for _, rank_spans in gathered for span in rank_spans],
                                     notes=list(self._notes))
+        self._advise()
+
+    def _advise(self) -> None:
+        """The report's advice (`hfstream.advice`), said once on rank 0, and the report on disk."""
+        from .advice import advise, facts_from_trainer
+        from .doctor import write_report
+        from .report_format import format_advice
+
+        self._report["advice"] = advise(self._report["mean"], facts_from_trainer(self))
+        if self.is_world_process_zero():
+            path = write_report(self._report, self.args.output_dir)
+            for line in format_advice(self._report["advice"]):
+                notice(logger, "%s (report: %s)", line.strip(), path)
 
     def stream_report(self) -> StreamReport:
         """The step breakdown against the ceiling for the last `train()` call.

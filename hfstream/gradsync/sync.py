@@ -199,6 +199,10 @@ class GradSync:
         """The buckets at run time (buffers, phase), in plan order; empty with one process."""
         return list(self._states)
 
+    def plan_for(self, bucket_mb: float) -> list[Bucket]:
+        """The buckets GradSync would plan at cap ``bucket_mb`` now (same order and rules; nothing changes)."""
+        return self._planner.plan(bucket_mb)
+
     def keep_plan(self) -> None:
         """Never re-plan in the order gradients arrive (the plan stays in registration order)."""
         self._planner.arrival.done = True

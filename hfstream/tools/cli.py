@@ -4,6 +4,7 @@
     hfstream bench [--quick] [--json F]    gradient sync side by side on a shaped link: serial, DDP, overlap, ceiling
     hfstream bench-prefetch [--json F]     stock Trainer vs prefetching with a collate as costly as a step
     hfstream plan [--model M] [--plot F]   predict compute, communication and the ceiling for 1..1024 devices
+    hfstream doctor PATH                   a run's step report (its output_dir, or stream_report.json) and its advice
     hfstream corpus OUT_DIR                write the standard-library demo corpus
     hfstream env                           versions, devices and backends this machine offers
 """
@@ -62,6 +63,12 @@ def _cmd_demo(ns) -> int:
 
 def _run_with_parser(run, parser, ns) -> int:
     return run(ns, parser)
+
+
+def _cmd_doctor(ns) -> int:
+    from hfstream.doctor import doctor
+
+    return doctor(ns.path)
 
 
 def _cmd_corpus(ns) -> int:
@@ -126,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="predict step time, exposed communication and the ceiling for 1..1024 devices")
     plan.add_arguments(p)
     p.set_defaults(func=plan.run_from_args)
+
+    p = sub.add_parser("doctor", help="print a run's step report and what to change (advice)")
+    p.add_argument("path", help="the run's output_dir, or its stream_report.json")
+    p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("corpus", help="write the standard-library demo corpus")
     p.add_argument("out_dir", help="directory to write stdlib_corpus.txt into")

@@ -298,11 +298,7 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     sharded_buckets = buckets if cfg.sharded_last_bucket_mb is None else predict_buckets(
         shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb, cfg.sharded_last_bucket_mb)
     sharded = predict_sharded(sharded_buckets, world_size, cfg, fwd, bwd, opt)
-    # Overlap: one reduction at a time on the link, each starting when its bucket is ready.
-    end = 0.0
-    for t, (_, ready) in zip(times, buckets):
-        end = max(ready * bwd, end) + t
-    exposed_overlap = max(0.0, end - bwd) if world_size > 1 else 0.0
+    exposed_overlap = overlap_exposed(times, [ready for _, ready in buckets], bwd) if world_size > 1 else 0.0
     ideal = fwd + max(bwd, busy) + opt
     step_serial, step_overlap = fwd + bwd + busy + opt, fwd + bwd + exposed_overlap + opt
     single = fwd + bwd + opt
@@ -322,6 +318,15 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
         # Faster by more than rounding: with one bucket and a free optimizer the two are equal.
         "sharded_beats_overlap": sharded["step_sharded_ms"] < step_overlap * (1 - 1e-9),
     }
+
+
+def overlap_exposed(times: list[float], ready: list[float], bwd: float) -> float:
+    """What overlap leaves after backward: one reduction at a time on the link, each starting when
+    its bucket is ready (``ready`` = the fraction of backward done), ``times`` and ``bwd`` in ms."""
+    end = 0.0
+    for t, r in zip(times, ready):
+        end = max(r * bwd, end) + t
+    return max(0.0, end - bwd)
 
 
 def half_s(nbytes: float, world_size: int, link_gbs: float, latency_us: float) -> float:

@@ -1,0 +1,135 @@
+"""The report's advice (hfstream/advice.py): the change that helps first, with its predicted step.
+
+Three scenarios as a user meets them, each a real StreamTrainer run: data-bound (a collate as
+costly as a step, no prefetch), comm-bound (2 gloo ranks, one large bucket, fp32 wire) and a
+run already at its ceiling; plus the model by hand, the report on disk and `hfstream doctor`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from hfstream import StreamTrainer, StreamTrainingArguments
+from hfstream.advice import MIN_SAVING, RunFacts, advise
+from hfstream.doctor import doctor
+from tiny import lm_dataset, tiny_causal_lm, train_args
+
+
+# -- the model, by hand ---------------------------------------------------------------------------
+def _plan(total=28_000_000):
+    return lambda cap: [total] if cap >= 64 else [int(cap * 2**20)] * max(1, int(total / (cap * 2**20)))
+
+
+def test_data_bound_run_is_told_to_prefetch_with_the_step_it_would_take():
+    mean = dict(data_wait_ms=40, forward_ms=10, backward_ms=15, optimizer_ms=5, exposed_comm_ms=0,
+                comm_busy_ms=float("nan"), step_ms=70)
+    advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=0))
+    assert advice[0]["setting"] == "prefetch_depth" and advice[0]["value"] == 2
+    # The producer (40 ms a batch) runs beside the other 30 ms of the step: 40 ms a step.
+    assert advice[0]["predicted_step_ms"] == pytest.approx(40.0)
+    assert "40 ms of 70 ms" in advice[0]["reason"] and not advice[0]["changes_results"]
+    # Already prefetching and still waiting: more producers (workers), as many as the cores allow.
+    advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=2, cores_per_rank=4))
+    # One producer takes 70 ms a batch (40 waited + the 30 it runs beside): 3 workers keep up.
+    assert advice[0]["setting"] == "dataloader_num_workers" and advice[0]["value"] == 3
+    assert advice[0]["predicted_step_ms"] == pytest.approx(30.0)
+
+
+def test_comm_bound_run_gets_results_keeping_changes_first():
+    mean = dict(data_wait_ms=1, forward_ms=70, backward_ms=115, optimizer_ms=29, exposed_comm_ms=234,
+                comm_busy_ms=234, step_ms=455)
+    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=64.0, plan=_plan()))
+    settings = [a["setting"] for a in advice]
+    assert settings[0] in ("grad_sync", "grad_bucket_mb")
+    keep = [a["changes_results"] for a in advice]
+    assert keep == sorted(keep)   # every results-keeping change before any that changes them
+    assert {"grad_comm_dtype", "gradient_accumulation_steps"} <= set(settings)
+    changing = [a for a in advice if a["changes_results"]]
+    assert all("Changes the results" in a["reason"] for a in changing)
+    kept = [a["predicted_step_ms"] for a in advice if not a["changes_results"]]
+    assert kept == sorted(kept) and all(p < 455 * (1 - MIN_SAVING) for p in kept)
+    # Sharded: the optimizer's 29 ms is halved on 2 ranks, and the reduce-scatter overlaps backward.
+    sharded = next(a for a in advice if a["setting"] == "grad_sync")
+    assert sharded["value"] == "sharded" and "29 ms -> 14 ms" in sharded["reason"]
+
+
+def test_run_at_its_ceiling_gets_no_advice():
+    mean = dict(data_wait_ms=0.5, forward_ms=70, backward_ms=115, optimizer_ms=10, exposed_comm_ms=3,
+                comm_busy_ms=60, step_ms=200)
+    assert advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=2.0, prefetch_depth=2,
+                                 plan=_plan())) == []
+    assert advise({}, RunFacts(grad_sync=None)) == []   # nothing measured: nothing said
+
+
+# -- real runs ------------------------------------------------------------------------------------
+class SlowCollate:
+    """A collate that takes ``ms`` (waiting, as reading from storage does), then pads nothing."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def __call__(self, features):
+        time.sleep(self.ms / 1000)
+        return {k: torch.tensor([f[k] for f in features]) for k in features[0]}
+
+
+def test_data_bound_trainer_run_advises_prefetch_and_doctor_prints_it(tmp_path, capsys):
+    args = train_args(StreamTrainingArguments, tmp_path / "run", max_steps=12, prefetch_depth=0)
+    trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(), data_collator=SlowCollate(40))
+    trainer.train()
+    report = trainer.stream_report()
+    first = report["advice"][0]
+    assert first["setting"] == "prefetch_depth", report["advice"]
+    assert first["predicted_step_ms"] < report["mean"]["step_ms"] * (1 - MIN_SAVING)
+    saved = json.loads((tmp_path / "run" / "stream_report.json").read_text())
+    assert saved["advice"][0]["setting"] == "prefetch_depth"
+    assert "advice: set prefetch_depth=2" in str(report)
+    capsys.readouterr()
+    assert doctor(tmp_path / "run") == 0
+    out = capsys.readouterr().out
+    assert "hfstream step report" in out and "advice: set prefetch_depth=2" in out
+    # Applied: prefetching takes the step down to about what was predicted.
+    args = train_args(StreamTrainingArguments, tmp_path / "after", max_steps=12, prefetch_depth=2)
+    after = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(), data_collator=SlowCollate(40))
+    after.train()
+    assert after.stream_report()["mean"]["step_ms"] < report["mean"]["step_ms"] * 0.9
+
+
+def test_doctor_on_a_path_without_a_report_says_what_to_pass(tmp_path, capsys):
+    assert doctor(tmp_path) == 2
+    err = capsys.readouterr().err
+    assert "no step report at" in err and "stream_report.json" in err and "output_dir" in err
+    (tmp_path / "stream_report.json").write_text("{not json")
+    assert doctor(tmp_path) == 2
+    assert "is not a step report" in capsys.readouterr().err
+
+
+def _comm_bound(rank, world_size, tmp):
+    # Many parameters, little compute: 2 x 1024 x 1024 fp32 weights (16 MiB of gradients) on a
+    # batch of 2, in one bucket, so the all-reduce is all exposed after backward.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=512, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    args = train_args(StreamTrainingArguments, f"{tmp}/comm", max_steps=10, per_device_train_batch_size=1,
+                      grad_sync="overlap", grad_bucket_mb=float("inf"), prefetch_depth=2)
+    trainer = StreamTrainer(model=model, args=args, train_dataset=lm_dataset(seq=8))
+    trainer.train()
+    return dict(trainer.stream_report())
+
+
+@pytest.mark.multiprocess
+def test_comm_bound_trainer_run_is_told_to_change_how_gradients_travel(tmp_path, run_distributed):
+    reports = run_distributed(_comm_bound, 2, str(tmp_path), init_process_group=False, timeout=300)
+    for report in reports:   # every rank holds the same advice
+        assert report["advice"] == reports[0]["advice"]
+    advice, mean = reports[0]["advice"], reports[0]["mean"]
+    assert mean["exposed_comm_ms"] > 0.3 * mean["step_ms"], mean   # the scenario is comm-bound
+    assert advice and advice[0]["setting"] in ("grad_bucket_mb", "grad_sync"), advice
+    assert not advice[0]["changes_results"]
+    assert all(a["predicted_step_ms"] <= mean["step_ms"] * (1 - MIN_SAVING) for a in advice)
