@@ -54,6 +54,9 @@ class RunFacts:
         backend: the process group's backend (``"gloo"``, ``"nccl"``), for `LATENCY_MS`.
         plan: bucket bytes in launch order for a cap in MiB (GradSync's own planner), or None.
         cores_per_rank: CPU cores this rank may use for data loader workers.
+        spare_cores: cores per rank left beside the compute (CPU training: the cores less the
+            compute threads of this node's ranks): a producer that needs a core of its own
+            (prefetch thread, workers) gains nothing without one.
     """
 
     grad_sync: str | None
@@ -69,6 +72,7 @@ class RunFacts:
     backend: str = "gloo"
     plan: Callable[[float], list[int]] | None = field(default=None, repr=False)
     cores_per_rank: int = 1
+    spare_cores: float = 1.0
 
 
 @dataclass
@@ -190,20 +194,20 @@ def _data_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
     """Hide the data wait: a producer beside the step (prefetch), or several (workers)."""
     out = []
     wait, rest = parts.data_wait, parts.compute
-    if wait <= 0:
-        return out
+    if wait <= 0 or facts.spare_cores < 1:
+        return out   # nothing to hide, or no core for a producer beside the compute
     if facts.prefetch_depth == 0:
         # A background producer runs beside the rest of the step: only what is longer stays exposed.
         left = max(0.0, wait - rest)
         out.append(_advice(
             "prefetch_depth", 2, rest + left,
             f"the step waited {_say(wait)} of {_say(parts.step)} for its batch, loaded in the step itself; "
-            f"prefetched beside the other {_say(rest)} of the step, {_say(left)} would be left (if loading "
-            f"does not compete with compute for the same cores)"))
+            f"prefetched beside the other {_say(rest)} of the step (a background thread on a spare core), "
+            f"{_say(left)} would be left"))
     else:
         # Already prefetching: the producer is slower than the step. Workers share its work.
         produce = wait + rest   # a producer that keeps the step waiting `wait` takes wait + rest per batch
-        cores = max(1, facts.cores_per_rank)
+        cores = max(1, min(facts.cores_per_rank, int(facts.spare_cores)))
         have = max(1, facts.dataloader_num_workers)
         workers = min(cores, max(have + 1, math.ceil(produce / max(rest, 1e-9))))
         if workers > facts.dataloader_num_workers and workers > 1:
@@ -308,10 +312,16 @@ def facts_from_trainer(trainer) -> RunFacts:
         except Exception:   # noqa: BLE001  a group already destroyed: the default guess
             backend = "gloo"
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world) or 1)
+    import torch
+
+    on_cpu = torch.device(args.device).type == "cpu"
+    # CPU training: each rank's compute threads hold cores; an accelerator leaves the host's cores to the data.
+    threads = torch.get_num_threads() if on_cpu else 1
+    spare = ((os.cpu_count() or 1) - local * threads) / local
     return RunFacts(
         grad_sync=mode, world_size=world, prefetch_depth=int(args.prefetch_depth),
         dataloader_num_workers=int(args.dataloader_num_workers),
         gradient_accumulation_steps=int(args.gradient_accumulation_steps),
         bucket_mb=bucket_mb, auto_bucket=getattr(args, "grad_bucket_mb", None) == "auto",
         grad_bytes=grad_bytes, wire_element_bytes=wire, grad_element_bytes=elem, backend=backend, plan=plan,
-        cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)))
+        cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)), spare_cores=spare)

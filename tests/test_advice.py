@@ -33,7 +33,7 @@ def test_data_bound_run_is_told_to_prefetch_with_the_step_it_would_take():
     assert advice[0]["predicted_step_ms"] == pytest.approx(40.0)
     assert "40 ms of 70 ms" in advice[0]["reason"] and not advice[0]["changes_results"]
     # Already prefetching and still waiting: more producers (workers), as many as the cores allow.
-    advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=2, cores_per_rank=4))
+    advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=2, cores_per_rank=4, spare_cores=4))
     # One producer takes 70 ms a batch (40 waited + the 30 it runs beside): 3 workers keep up.
     assert advice[0]["setting"] == "dataloader_num_workers" and advice[0]["value"] == 3
     assert advice[0]["predicted_step_ms"] == pytest.approx(30.0)
@@ -57,6 +57,13 @@ def test_comm_bound_run_gets_results_keeping_changes_first():
     assert sharded["value"] == "sharded" and "29 ms -> 14 ms" in sharded["reason"]
 
 
+def test_no_core_beside_the_compute_means_no_prefetch_advice():
+    mean = dict(data_wait_ms=40, forward_ms=10, backward_ms=15, optimizer_ms=5, exposed_comm_ms=0,
+                comm_busy_ms=float("nan"), step_ms=70)
+    # 2 ranks x 1 thread on 2 cores: a prefetch thread would take its core from the compute.
+    assert advise(mean, RunFacts(grad_sync=None, prefetch_depth=0, spare_cores=0.0)) == []
+
+
 def test_run_at_its_ceiling_gets_no_advice():
     mean = dict(data_wait_ms=0.5, forward_ms=70, backward_ms=115, optimizer_ms=10, exposed_comm_ms=3,
                 comm_busy_ms=60, step_ms=200)
@@ -77,7 +84,16 @@ class SlowCollate:
         return {k: torch.tensor([f[k] for f in features]) for k in features[0]}
 
 
-def test_data_bound_trainer_run_advises_prefetch_and_doctor_prints_it(tmp_path, capsys):
+@pytest.fixture
+def one_compute_thread():
+    """One compute thread, so the producer has a core of its own (the advice checks that it has)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_data_bound_trainer_run_advises_prefetch_and_doctor_prints_it(tmp_path, capsys, one_compute_thread):
     args = train_args(StreamTrainingArguments, tmp_path / "run", max_steps=12, prefetch_depth=0)
     trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(), data_collator=SlowCollate(40))
     trainer.train()
