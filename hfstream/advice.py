@@ -237,10 +237,16 @@ def _comm_advice(parts: _Parts, facts: RunFacts, mean: dict) -> list[dict]:
 
     out = []
     exposed = parts.exposed
+    def best_cap(in_mode, optimizer_ms, caps):
+        """The largest cap within 2 % of the best prediction: fewer collectives, the same step."""
+        scored = [(cap, _comm_step(in_mode, [b * scale for b in facts.plan(cap)], link, parts, facts, optimizer_ms))
+                  for cap in caps]
+        low = min(ms for _, ms in scored)
+        return max((c for c in scored if c[1] <= low * 1.02), key=lambda c: c[0])
+
     # The bucket cap, in the mode the run has.
     if not facts.auto_bucket:
-        best = min(((cap, _comm_step(mode, [b * scale for b in facts.plan(cap)], link, parts, facts, parts.optimizer))
-                    for cap in BUCKET_CANDIDATES_MB if cap != facts.bucket_mb), key=lambda c: c[1])
+        best = best_cap(mode, parts.optimizer, [c for c in BUCKET_CANDIDATES_MB if c != facts.bucket_mb])
         out.append(_advice(
             "grad_bucket_mb", best[0], predicted(best[1]),
             f"{_say(exposed)} of the {_say(parts.step)} step waited for communication ({_say(parts.busy)} busy) "
@@ -251,10 +257,9 @@ def _comm_advice(parts: _Parts, facts: RunFacts, mean: dict) -> list[dict]:
         other_mode = "sharded" if mode == "overlap" else "overlap"
         n = facts.world_size
         opt = parts.optimizer / n if other_mode == "sharded" else parts.optimizer * n
-        # At its own best cap (what grad_bucket_mb="auto" would find), the current one included.
-        plan_cap, model_ms = min(
-            ((cap, _comm_step(other_mode, [b * scale for b in facts.plan(cap)], link, parts, facts, opt))
-             for cap in (facts.bucket_mb, *BUCKET_CANDIDATES_MB)), key=lambda c: c[1])
+        # At the run's cap (the one change advised), or at the best one where "auto" tunes it again.
+        caps = (facts.bucket_mb, *BUCKET_CANDIDATES_MB) if facts.auto_bucket else (facts.bucket_mb,)
+        plan_cap, model_ms = best_cap(other_mode, opt, caps)
         what = ("reduce-scatter in backward, each rank steps 1/N of the optimizer "
                 f"({_say(parts.optimizer)} -> {_say(opt)}), the all-gathers hidden in the next forward"
                 if other_mode == "sharded" else
