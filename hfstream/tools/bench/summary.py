@@ -23,6 +23,8 @@ from typing import Sequence
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.timeline import cross_step_limit
 
+from .over_limit import format_over_limit, over_limit
+
 from .config import MEMORY_TARGET, MODES, SHARDED_MODES, TARGETS, BenchConfig
 
 
@@ -262,6 +264,9 @@ def format_bench_table(result: dict, wide: bool = False) -> str:
                      + f"reduce-scatter busy {num(v.get('reduce_scatter_busy_ms'), 0)} exposed "
                      f"{num(v.get('reduce_scatter_exposed_ms'), 0)} | all-gather busy {num(v.get('all_gather_busy_ms'), 0)} "
                      f"exposed {num(v.get('all_gather_exposed_ms'), 0)} ms")
+        if x and "serial" in result["modes"]:
+            notes.append(format_over_limit(m, over_limit(v, result["modes"]["serial"], result["config"]["world_size"],
+                                                         x["step_ms"])))
     if result.get("unshaped_modes"):
         notes.append(f"  warning: the simulated link does not delay {', '.join(result['unshaped_modes'])}'s "
                      f"reduce-scatters and all-gathers: compare them on the shaped namespace (--shaping netns)")
