@@ -78,6 +78,8 @@ def part_gradsync(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
         summary.append(f"finish() held the host {n0['finish_ms']:.1f} ms (waits for the reductions, by design; gloo's "
                        f"worker waits for its device-to-host copy); no_sync micro-step under 'error': "
                        f"{'clean' if n0['no_sync_error'] is None else 'RAISED'}")
+    summary.append(f"sharded: bucket-by-bucket step = one-call step over {n0['sharded_buckets']} buckets"
+                   + ("" if on_cpu else f"; syncs inside the pipelined step: {len(n0['sharded_step_syncs'])}"))
     return checks.result(summary, {f"rank{r}": o["numbers"] for r, o in enumerate(ranks)})
 
 
@@ -152,7 +154,53 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
     param_sum = float(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).double().sum())
     sync.close()
     dist.barrier()
+    _sharded_pipelined(rank, size, dev, cuda, checks, numbers)
     return {"checks": checks.items, "numbers": numbers, "param_sum": param_sum}
+
+
+def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, numbers: dict) -> None:
+    """Sharded mode's bucket-by-bucket step (each gather launched as its slice is stepped): the same
+    parameters as the one-call step (a closure makes it one call), and no host sync in the step."""
+    import torch
+
+    from hfstream import GradSync
+
+    def run(one_call: bool, record: bool):
+        torch.manual_seed(0)
+        model = mlp(size["width"], size["layers"]).to(dev)
+        sync = GradSync(model, bucket_mb=size["bucket_mb"], mode="sharded", timeout=60)
+        opt = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
+        syncs = []
+        for step in range(size["steps"]):
+            g = torch.Generator().manual_seed(7919 * step + rank)
+            x, y = (torch.randn(size["batch"], size["width"], generator=g).to(dev) for _ in range(2))
+            mse(model, x, y).backward()
+            sync.finish()
+            sync.clip_grad_norm_(1.0)
+            if record and step == size["steps"] - 1 and cuda:
+                with SyncRecorder() as rec:
+                    rec.phase("step")
+                    opt.step()
+                syncs = rec.syncs()["step"]
+            elif one_call:
+                opt.step(lambda: None)   # with a closure the step runs in one call, the gathers after it
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync.wait_for_params()
+        params = [p.detach().clone() for p in model.parameters()]
+        buckets = len(sync.buckets)
+        sync.close()
+        return params, buckets, syncs
+
+    piecewise, buckets, syncs = run(one_call=False, record=True)
+    whole, _, _ = run(one_call=True, record=False)
+    equal = all(torch.equal(a, b) for a, b in zip(piecewise, whole))
+    checks.add("sharded: the bucket-by-bucket step gives exactly the one-call step's parameters (AdamW, clipping)",
+               equal and buckets >= 2, f"{buckets} buckets")
+    numbers.update(sharded_buckets=buckets, sharded_step_syncs=syncs)
+    if cuda:
+        checks.add("sharded: no host sync inside the pipelined step (sync-debug 'warn')", not syncs, f"{syncs}")
 
 
 def _gradsync_sync_checks(rank, model, sync, opt, data, dev, windows, checks: Checks, numbers: dict) -> None:
