@@ -9,12 +9,13 @@ HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev
 TORCH_SPEC ?= $(if $(HAS_CUDA),torch,torch==2.13.0)
 STAMP  := $(VENV)/.hfstream-installed
 
-.PHONY: help venv demo test test-slow gpu-check gpu-check-here course course-grade clean
+.PHONY: help venv demo test test-slow test-compat gpu-check gpu-check-here course course-grade clean
 
 help:
 	@echo "make demo       train the demo (2 CPU processes, or every GPU) and print the step report"
 	@echo "make test       the default test suite (fast; no GPU needed)"
 	@echo "make test-slow  the slow tests only (marked @pytest.mark.slow)"
+	@echo "make test-compat  the parity and Trainer tests on the lowest torch/transformers/accelerate pyproject.toml allows (own venv, .venv-compat)"
 	@echo "make gpu-check  everything that needs a GPU, one table + runs/gpu_check.json (machine's python, no venv); skips without a GPU"
 	@echo "make gpu-check-here  the same (old name)"
 	@echo "make course     install Jupyter, copy the lessons to course/work/ and say how to open them"
@@ -38,6 +39,22 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
 
+# The lower bounds of pyproject.toml, tested: a venv of its own with the lowest torch, transformers
+# and accelerate of the declared ranges that install here, then the parity and Trainer tests.
+# (Another set: make test-compat COMPAT_PINS="torch==... transformers==... accelerate==...".)
+COMPAT_VENV  ?= .venv-compat
+COMPAT_PY    := $(COMPAT_VENV)/bin/python
+COMPAT_PINS  ?= torch==2.13.0 transformers==5.18.0 accelerate==1.14.0
+COMPAT_TESTS ?= tests/test_trainer_parity.py tests/test_trainer_overlap.py tests/test_trainer_prefetch.py
+
+test-compat:
+	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
+	$(COMPAT_PY) -m pip install -q --upgrade pip
+	$(COMPAT_PY) -m pip install -q $(word 1,$(COMPAT_PINS))
+	$(COMPAT_PY) -m pip install -q -e . $(COMPAT_PINS) pytest pytest-timeout
+	$(COMPAT_PY) -c "import torch, transformers as t, accelerate as a; print('on torch', torch.__version__, 'transformers', t.__version__, 'accelerate', a.__version__)"
+	OMP_NUM_THREADS=1 $(COMPAT_PY) -m pytest $(COMPAT_TESTS)
+
 gpu-check:
 	PYTHONPATH=. $(PYTHON) -m hfstream.tools.gpu_check --json runs/gpu_check.json $(GPU_CHECK_ARGS)
 
@@ -53,4 +70,4 @@ course-grade: $(STAMP)
 	$(PY) -m course progress
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) runs build *.egg-info

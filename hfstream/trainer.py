@@ -244,7 +244,7 @@ class StreamTrainerMixin:
         """DDP's own options set for a run whose gradients hfstream reduces: say once what becomes of each."""
         args = self.args
         ignored = []
-        if args.ddp_static_graph:
+        if getattr(args, "ddp_static_graph", False):   # a TrainingArguments field in later 5.x releases only
             ignored.append("ddp_static_graph (GradSync needs no static graph: it re-plans its buckets from the order "
                            "gradients arrive in the first step)")
         if args.ddp_find_unused_parameters:
