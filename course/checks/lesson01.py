@@ -84,7 +84,7 @@ def _(learner):
 
 
 @spans_ex.case("nested blocks and a block that raises are both recorded",
-               hint='a span must be recorded however its block ends, and nested blocks each get their own',
+               hint="a span must be recorded however its block ends, and nested blocks each get their own",
                reveal="wrap the yield in try/finally so the span is appended even when the block raises")
 def _(learner):
     rec = learner.Spans(rank=0, clock=_FakeClock())
@@ -113,7 +113,8 @@ def _(learner):
 
 
 @spans_ex.case("with the default clock, spans are in perf_counter seconds",
-               hint="without a clock argument the recorder must still time in seconds, on the clock hfstream's spans use",
+               hint="without a clock argument the recorder must still time in seconds, on the clock hfstream's spans"
+                    " use",
         reveal="default clock=time.perf_counter; keep seconds (hfstream spans and plot_timeline use seconds)")
 def _(learner):
     rec = learner.Spans()
@@ -216,7 +217,8 @@ def _containing(spans, t0, t1):
 
 
 @phases.case("each phase runs inside the span that names it, and in no other",
-             hint='each phase must run inside the span that names it, in its lane; compare your names and lanes with the table above the exercise',
+             hint="each phase must run inside the span that names it, in its lane; compare your names and lanes with"
+                  " the table above the exercise",
              reveal="time `batch = next(it)` as ('data', 'data wait'), the model call as ('compute', 'forward'), "
                     "loss.backward() as ('compute', 'backward'), optimizer.step() and zero_grad() as "
                     "('compute', 'optimizer')")
@@ -262,7 +264,8 @@ def _(learner):
 
 
 @phases.case("exactly `steps` steps, one span per phase per step, losses returned",
-             hint='the loop must run exactly `steps` steps, one span per phase per step, and return one loss per step',
+             hint="the loop must run exactly `steps` steps, one span per phase per step, and return one loss per "
+                  "step",
              reveal="loop `steps` times; fetch one batch per step; return a list of the step losses")
 def _(learner):
     probe, rec, losses = _run_probe(learner, steps=3)
@@ -328,7 +331,8 @@ def _result(learner, spans, **kw):
 
 
 @breakdown_ex.case("mean milliseconds per step after warm-up, step = first span start to last span end",
-                   hint="the breakdown is per step, in milliseconds, without the warm-up steps; a step's phases add up to its time",
+                   hint="the breakdown is per step, in milliseconds, without the warm-up steps; a step's phases add "
+                        "up to its time",
         reveal="group spans into steps (a step starts at its 'data wait'), skip the first `warmup` "
                         "steps, average each phase's (end - start) * 1e3 over the kept steps")
 def _(learner):
@@ -349,7 +353,7 @@ def _(learner):
 
 
 @breakdown_ex.case("spans in any order; warmup=0 keeps every step",
-                   hint='spans can arrive in any order, and warmup=0 keeps every step',
+                   hint="spans can arrive in any order, and warmup=0 keeps every step",
                    reveal="sort the spans by start time before grouping them into steps")
 def _(learner):
     spans = _synthetic()
@@ -363,7 +367,7 @@ def _(learner):
 
 
 @breakdown_ex.case("several micro-steps per step (gradient accumulation) add up",
-                   hint='a step can hold several spans of one phase (one per micro-step)',
+                   hint="a step can hold several spans of one phase (one per micro-step)",
                    reveal="sum each phase over a step's spans, then average over steps")
 def _(learner):
     got = _result(learner, _synthetic(micro=2), warmup=1)

@@ -492,7 +492,8 @@ def _diagnose_order_race(sim: SimDevice) -> None:
 
 
 @order.case("no compute reads a batch before its copy has landed",
-            hint='the compute stream may read a batch only once its copy on the side stream has finished, and nothing ordered the two',
+            hint="the compute stream may read a batch only once its copy on the side stream has finished, and "
+                 "nothing ordered the two",
             reveal="record an Event on the side stream after the copy; make the compute stream wait on it")
 def _(learner):
     sim = _run_order(learner)
@@ -505,7 +506,8 @@ def _(learner):
 
 
 @order.case("the host never waits, and each step waits only for its own batch",
-            hint='the ordering must be between the streams, not done by the host; and each step must wait for its own batch only',
+            hint="the ordering must be between the streams, not done by the host; and each step must wait for its "
+                 "own batch only",
             reveal="use event.wait(stream), not event.synchronize() or sim.synchronize(); and an Event per batch, "
                    "not wait_stream, since the next copy is already queued")
 def _(learner):

@@ -127,7 +127,8 @@ class _SlowNext:
 
 
 @data_wait.case("data_wait_ms is the time inside next(), step_ms the whole step",
-                hint='data wait is the time spent getting the batch only; the step runs from its start to its end; both in milliseconds',
+                hint="data wait is the time spent getting the batch only; the step runs from its start to its end; "
+                     "both in milliseconds",
                 reveal="t0 = perf_counter(); batch = next(it); t1 = perf_counter(); step(batch); "
                        "t2 = perf_counter(): wait = t1 - t0, step = t2 - t0, in milliseconds", timeout=30)
 def _(learner):
@@ -164,7 +165,7 @@ def _(learner):
 
 
 @data_wait.case("max_steps stops the loop early",
-                hint='given max_steps, the loop must stop after that many steps',
+                hint="given max_steps, the loop must stop after that many steps",
                 reveal="loop while max_steps is None or len(steps) < max_steps", timeout=30)
 def _(learner):
     calls = []
@@ -179,7 +180,8 @@ def _(learner):
 
 
 @data_wait.case("expected step: collate + compute at depth 0, max(collate, compute) with a prefetcher",
-                hint='at depth 0 nothing runs beside the step; with a prefetcher the next batch is collated while this one computes',
+                hint="at depth 0 nothing runs beside the step; with a prefetcher the next batch is collated while "
+                     "this one computes",
                 reveal="depth 0: nothing overlaps; depth >= 1: the next collate runs during this compute")
 def _(learner):
     for collate, compute, depth, want in ((30.0, 20.0, 0, 50.0), (30.0, 20.0, 2, 30.0),
@@ -204,7 +206,8 @@ prefetcher = Exercise("03.prefetcher", uses=["prefetch"], title="a depth-N prefe
 
 
 @prefetcher.case("yields the same batches, in order, read by a background thread",
-                 hint="the batches must come out as they went in, every one of them, read by a thread other than the loop's",
+                 hint="the batches must come out as they went in, every one of them, read by a thread other than the"
+                      " loop's",
         reveal="a thread pulls from the iterable and q.put()s each item, then an end marker; "
                       "the generator q.get()s and yields until the marker", timeout=60)
 def _(learner):
@@ -239,7 +242,7 @@ def _(learner):
 
 
 @prefetcher.case("runs ahead of the loop by at most depth batches",
-                 hint='the thread may run at most `depth` batches ahead of the loop',
+                 hint="the thread may run at most `depth` batches ahead of the loop",
                  reveal="queue.Queue(maxsize=depth): the thread keeps it full and blocks in put() when it is",
                  timeout=60)
 def _(learner):
@@ -277,7 +280,8 @@ def _(learner):
 
 
 @prefetcher.case("a loader error surfaces at the step that would have consumed its batch",
-                 hint='a loader error must surface in the loop, at the step that would have consumed that batch: not earlier, and not only in the thread',
+                 hint="a loader error must surface in the loop, at the step that would have consumed that batch: not"
+                      " earlier, and not only in the thread",
                  reveal="in the thread: try/except around the loop, put ('error', exc) in the queue; in the "
                         "generator: raise it when it comes out", timeout=60)
 def _(learner):
@@ -325,7 +329,8 @@ def _(learner):
 
 
 @prefetcher.case("stopping early (break, close(), an error) leaves no thread behind",
-                 hint='however the loop stops, the thread must end too, also one blocked waiting for room in the queue',
+                 hint="however the loop stops, the thread must end too, also one blocked waiting for room in the "
+                      "queue",
                  reveal="in the generator's finally: set a threading.Event, let a blocked put() see it "
                         "(put(item, timeout=0.05) in a loop that checks it), then join() the thread",
                  timeout=90)
@@ -393,7 +398,7 @@ def _longest(worst, compute, depth):
 
 
 @depth_ex.case("the slow batch waits for what (depth + 1) steps of compute do not cover",
-               hint='count how much compute runs while the slow batch is being collated, at each depth',
+               hint="count how much compute runs while the slow batch is being collated, at each depth",
                reveal="depth 0: the whole collate; depth >= 1: max(0, worst - (depth + 1) * compute)")
 def _(learner):
     for worst, compute, depth in ((100.0, 25.0, 1), (100.0, 25.0, 2), (100.0, 25.0, 3), (100.0, 25.0, 6),
@@ -415,7 +420,7 @@ def _(learner):
 
 
 @depth_ex.case("depth_needed: the smallest depth >= 1 with no wait",
-               hint='the answer is the smallest depth >= 1 at which the slow batch no longer makes the loop wait',
+               hint="the answer is the smallest depth >= 1 at which the slow batch no longer makes the loop wait",
                reveal="the smallest depth >= 1 with (depth + 1) * compute_ms >= worst_collate_ms")
 def _(learner):
     for worst, compute in ((100.0, 25.0), (101.0, 25.0), (20.0, 25.0), (50.0, 25.0), (75.0, 25.0), (260.0, 30.0)):

@@ -127,7 +127,8 @@ ACCUM, ACCUM_STEPS = 4, 3
 
 
 @accumulation.case("no_sync() turns sync off inside, and restores what was there on exit",
-                   hint='inside the block sync is off; after it, whatever was set before is back, also when the block raises',
+                   hint="inside the block sync is off; after it, whatever was set before is back, also when the "
+                        "block raises",
                    reveal="save require_backward_grad_sync, set it False, yield inside try, restore it in finally")
 def _(learner):
     sync = object.__new__(learner.AccumSync)      # no process group needed to test the flag
@@ -227,7 +228,8 @@ def _accumulation_error(res) -> None:
 
 
 @accumulation.case("two ranks: one all-reduce per parameter per optimizer step",
-                   hint='count the all-reduces: one per parameter per optimizer step, however many micro-batches it has',
+                   hint="count the all-reduces: one per parameter per optimizer step, however many micro-batches it "
+                        "has",
                    reveal="micro-steps 0..N-2 under sync.no_sync(), the last one outside it, then one finish()",
                    timeout=90)
 def _(learner):
@@ -246,7 +248,8 @@ def _(learner):
 
 
 @accumulation.case("two ranks x 4 micro-batches give the single-process large-batch step",
-                   hint='the accumulated step must be the large-batch step: check how much each micro-batch contributes, and how often you step',
+                   hint="the accumulated step must be the large-batch step: check how much each micro-batch "
+                        "contributes, and how often you step",
                    reveal="divide each micro-batch's loss by the number of micro-batches; step and zero_grad once",
                    timeout=90)
 def _(learner):
@@ -279,7 +282,8 @@ USE_EXTRA = [(True, True), (True, False), (False, False), (False, True)]
 
 
 @unused.case("each trainable tensor once, frozen ones skipped, in reverse registration order",
-             hint='every parameter that trains, exactly once (a tied weight is one tensor), frozen ones left out, in the order backward produces them',
+             hint="every parameter that trains, exactly once (a tied weight is one tensor), frozen ones left out, in"
+                  " the order backward produces them",
              reveal="[p for p in model.parameters() if p.requires_grad], reversed: parameters() already "
                     "yields a tied tensor once")
 def _(learner):
@@ -339,7 +343,8 @@ def _unused_rank(rank, world_size, path):
 
 
 @unused.case("two ranks, a branch unused on one rank or both: parity with one process, no hang",
-             hint='a parameter whose gradient never came must still be reduced, on every rank and in the same order, or a rank waits forever',
+             hint="a parameter whose gradient never came must still be reduced, on every rank and in the same order,"
+                  " or a rank waits forever",
              reveal="finish(): launch every parameter not launched yet, in order, with zeros where .grad is None; "
                     "then wait for all and divide",
              timeout=90)

@@ -97,7 +97,7 @@ def _(learner):
 
 
 @migrate.case("every stock setting survives the migration",
-              hint='every setting of the stock TrainingArguments must reach the new arguments unchanged',
+              hint="every setting of the stock TrainingArguments must reach the new arguments unchanged",
               reveal="copy each TrainingArguments setting of stock_trainer into StreamTrainingArguments unchanged")
 def _(learner):
     from transformers import TrainingArguments
@@ -115,7 +115,8 @@ def _(learner):
 
 
 @migrate.case("hfstream's settings: prefetch 2 batches, overlap, 1 MiB buckets",
-              hint='the exercise names three hfstream settings: the prefetch depth, the sync mode and the bucket size',
+              hint="the exercise names three hfstream settings: the prefetch depth, the sync mode and the bucket "
+                   "size",
               reveal="prefetch_depth=2, grad_sync='overlap'; keep ddp_bucket_cap_mb=1 (hfstream reads it) or set "
                      "grad_bucket_mb=1")
 def _(learner):
@@ -134,7 +135,7 @@ def _(learner):
 
 
 @migrate.case("it trains (one process here) and produces the step report",
-              hint='once the two names are swapped nothing else changes: it trains, and the step report exists',
+              hint="once the two names are swapped nothing else changes: it trains, and the step report exists",
               reveal="nothing else to change: StreamTrainer.train() then stream_report()", timeout=120)
 def _(learner):
     trainer, _ = _build(learner)
@@ -235,7 +236,8 @@ def _answers(learner, report) -> dict:
 
 
 @read.case("efficiency and headroom come from the mean over ranks",
-           hint='both come from the mean over ranks, not from one rank; efficiency is a ratio below 1, headroom a time in ms',
+           hint="both come from the mean over ranks, not from one rank; efficiency is a ratio below 1, headroom a "
+                "time in ms",
            reveal="m = report['mean']; efficiency = m['ideal_ms'] / m['step_ms']; headroom_ms = m['step_ms'] - m['ideal_ms']")
 def _(learner):
     for name, report in _cases(learner):
@@ -259,7 +261,8 @@ def _(learner):
 
 
 @read.case("the biggest cost above the ceiling: data wait, exposed communication or the untracked rest",
-           hint='what sits above the ceiling is the data wait, the exposed communication, or time no phase accounts for',
+           hint="what sits above the ceiling is the data wait, the exposed communication, or time no phase accounts "
+                "for",
            reveal="other = step_ms - (data_wait + forward + backward + exposed_comm + optimizer); pick the largest "
                   "of data_wait_ms, exposed_comm_ms, other")
 def _(learner):
@@ -285,7 +288,7 @@ def _(learner):
 
 
 @read.case("the slowest rank: the one every all-reduce waits for",
-           hint='the slowest rank is the one whose step is longest',
+           hint="the slowest rank is the one whose step is longest",
            reveal="the index i of report['per_rank'] with the largest step_ms")
 def _(learner):
     for name, report in _cases(learner):
