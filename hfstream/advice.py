@@ -2,8 +2,8 @@
 
 `advise` takes a run's measured step parts (the report's ``mean``) and what the run was set to
 (`RunFacts`), and predicts the step under each candidate change with the planner's model
-(`hfstream.tools.plan.predict`: one reduction at a time on the link, each bucket ready as
-backward produces it; the sharded schedule of docs/design.md section 7). The model is fed the
+(`hfstream.schedule`, which the planner uses too: one reduction at a time on the link, each
+bucket ready as backward produces it; the sharded schedule of docs/design.md section 7). The model is fed the
 run's own parts, not a hardware table:
 
 - forward, backward, optimizer and data wait are the measured means;
@@ -28,6 +28,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Callable
+
+from .schedule import overlap_exposed, sharded_step
 
 MIN_SAVING = 0.05            # advise a change only if it saves at least 5 % of the step
 BUCKET_CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
@@ -137,18 +139,13 @@ def _comm_step(mode: str, buckets: list[float], link: _Link, parts: _Parts, fact
 
     ``buckets`` in wire bytes. Reductions run in the last micro-step's backward only.
     """
-    from hfstream.tools.plan.predict import PlanConfig, overlap_exposed, predict_sharded
-
     n = facts.world_size
     accum = max(1, facts.gradient_accumulation_steps)
     last_backward = parts.backward / accum
     ready = _ready(buckets)
     if mode == "sharded":
-        # predict_sharded's latency is per ring step: (N - 1) steps make one collective's alpha.
-        cfg = PlanConfig(link_gbs=1.0 / max(link.ms_per_byte, 1e-15) / 1e6, latency_us=link.alpha * 1e3 / max(1, n - 1),
-                         world_sizes=(n,))
         fwd_last = parts.forward / accum
-        row = predict_sharded(list(zip(buckets, ready)), n, cfg, fwd_last, last_backward, optimizer_ms * n)
+        row = sharded_step([link.half(b) for b in buckets], ready, n, fwd_last, last_backward, optimizer_ms * n)
         earlier = (parts.forward + parts.backward) * (accum - 1) / accum
         return earlier + row["step_sharded_ms"]
     if mode == "serial":

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.gradsync.buckets import MiB
 from hfstream.gradsync.sharded import ShardedReduction
-from hfstream.timeline import cross_step_limit
+from hfstream.schedule import overlap_exposed, sharded_step
 
 from .shapes import ModelShape, shape_from_params
 
@@ -320,15 +320,6 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     }
 
 
-def overlap_exposed(times: list[float], ready: list[float], bwd: float) -> float:
-    """What overlap leaves after backward: one reduction at a time on the link, each starting when
-    its bucket is ready (``ready`` = the fraction of backward done), ``times`` and ``bwd`` in ms."""
-    end = 0.0
-    for t, r in zip(times, ready):
-        end = max(r * bwd, end) + t
-    return max(0.0, end - bwd)
-
-
 def half_s(nbytes: float, world_size: int, link_gbs: float, latency_us: float) -> float:
     """Seconds of one ring reduce-scatter (or all-gather) of ``nbytes``: (N-1)/N b/B + (N-1) alpha."""
     if world_size <= 1:
@@ -344,32 +335,7 @@ def predict_sharded(buckets: list[tuple[float, float]], world_size: int, cfg: Pl
     (the data wait and the optimizer's own tail hidden). ``buckets`` are in plan (backward) order.
     """
     t = [half_s(b, world_size, cfg.link_gbs, cfg.latency_us) * 1e3 for b, _ in buckets]
-    ready = [r for _, r in buckets]
-    opt_sharded = opt / world_size
-    if world_size <= 1:
-        step = fwd + bwd + opt
-        return {"optimizer_sharded_ms": opt, "reduce_scatter_busy_ms": 0.0, "reduce_scatter_exposed_ms": 0.0,
-                "all_gather_busy_ms": 0.0, "all_gather_exposed_ms": 0.0, "step_sharded_ms": step,
-                "cross_step_limit_ms": step}
-    # All-gathers in forward order (reverse plan); bucket k's parameters are where forward has done
-    # 1 - ready[k] of its FLOPs (backward reaches them after ready[k - 1] and finishes them at ready[k]).
-    link, clock = 0.0, 0.0
-    for k in reversed(range(len(buckets))):
-        link += t[k]                                   # its gather completes
-        span = (ready[k] - (ready[k - 1] if k else 0.0)) * fwd
-        clock = max(clock, link) + span                # forward waits for it, then computes its share
-    exposed_ag = max(0.0, clock - fwd)
-    forward_end = fwd + exposed_ag
-    # Reduce-scatters: the overlap schedule, on a link free once the last gather is done.
-    end = link
-    for tk, r in zip(t, ready):
-        end = max(forward_end + r * bwd, end) + tk
-    exposed_rs = max(0.0, end - (forward_end + bwd))
-    busy = 2 * sum(t)
-    return {"optimizer_sharded_ms": opt_sharded, "reduce_scatter_busy_ms": sum(t),
-            "reduce_scatter_exposed_ms": exposed_rs, "all_gather_busy_ms": sum(t),
-            "all_gather_exposed_ms": exposed_ag, "step_sharded_ms": fwd + exposed_ag + bwd + exposed_rs + opt_sharded,
-            "cross_step_limit_ms": cross_step_limit(fwd, bwd, opt_sharded, busy)}
+    return sharded_step(t, [r for _, r in buckets], world_size, fwd, bwd, opt)
 
 
 def overlap_limit(shape: ModelShape, cfg: PlanConfig, buckets: list[tuple[float, float]] | None = None,
