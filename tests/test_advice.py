@@ -156,3 +156,13 @@ def test_comm_bound_trainer_run_is_told_to_change_how_gradients_travel(tmp_path,
     assert advice and advice[0]["setting"] in ("grad_bucket_mb", "grad_sync"), advice
     assert not advice[0]["changes_results"]
     assert all(a["predicted_step_ms"] <= mean["step_ms"] * (1 - MIN_SAVING) for a in advice)
+
+
+def test_run_at_its_ceiling_trainer_run_gets_no_advice_worth_ten_percent(tmp_path, one_compute_thread):
+    # One process, batches ready in time (prefetched, a plain collate): nothing to hide, nothing to sync.
+    args = train_args(StreamTrainingArguments, tmp_path / "run", max_steps=12, prefetch_depth=2)
+    trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset())
+    trainer.train()
+    report = trainer.stream_report()
+    step = report["mean"]["step_ms"]
+    assert all(a["predicted_step_ms"] > 0.9 * step for a in report["advice"]), report["advice"]
