@@ -193,6 +193,19 @@ def _no_sync_error(step, cuda: bool) -> str | None:
     return None
 
 
+def _report_vs_profiler(model, sync, opt, size: dict, dev, seed: int, op: str, cuda: bool) -> tuple[float, float]:
+    """Per step over ``size["profiled"]`` steps: the profiler's device ms of ``op``, the report's comm busy."""
+    busy = []
+
+    def run():
+        for k in range(size["profiled"]):
+            _step(model, sync, opt, *_data(seed + k, size, dev))
+            busy.append(sync.stats.comm_busy_ms)
+
+    per_step = _profiled(run, op, cuda) / max(1, size["profiled"])
+    return per_step, sum(busy) / max(1, len(busy))
+
+
 def _profiled(run_steps, name_part: str, cuda: bool) -> float:
     """Device milliseconds of the NCCL ops whose name has ``name_part``, over ``run_steps()``."""
     from torch.profiler import ProfilerActivity, profile
@@ -243,15 +256,7 @@ def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
         numbers["overlap_host_ahead"] = ahead
         checks.add("overlap: the host got through a whole step while the device still slept", ahead)
         numbers["profile_steps"] = size["profiled"]
-        busy = []
-
-        def run():
-            for k in range(size["profiled"]):
-                _step(model, sync, opt, *_data(2000 + k, size, dev))
-                busy.append(sync.stats.comm_busy_ms)
-
-        per_step = _profiled(run, "all_reduce", cuda) / max(1, size["profiled"])
-        report = sum(busy) / max(1, len(busy))
+        per_step, report = _report_vs_profiler(model, sync, opt, size, dev, 2000, "all_reduce", cuda)
         numbers.update(profiler_ar_ms=per_step, report_ar_ms=report)
         if per_step > PROFILE_FLOOR_MS:   # an in-place sum on one rank may run no kernel at all: then reported only
             checks.add("overlap: the report's all-reduce time is the profiler's kernel time (within 10 %)",
@@ -298,15 +303,7 @@ def _sharded(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
         ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, numbers.get("sleep_ms", 200.0))
         numbers["sharded_host_ahead"] = ahead
         checks.add("sharded: the host got through a whole step while the device still slept", ahead)
-        busy = []
-
-        def run():
-            for k in range(size["profiled"]):
-                _step(model, sync, opt, *_data(3000 + k, size, dev))
-                busy.append(sync.stats.comm_busy_ms)
-
-        per_step = _profiled(run, "reduce_scatter", cuda) / max(1, size["profiled"])
-        report = sum(busy) / max(1, len(busy))
+        per_step, report = _report_vs_profiler(model, sync, opt, size, dev, 3000, "reduce_scatter", cuda)
         numbers.update(profiler_rs_ms=per_step, report_rs_ms=report)
         close = abs(report - per_step) <= max(PROFILE_TOLERANCE * per_step, PROFILE_FLOOR_MS)
         checks.add("sharded: the report's reduce-scatter time is the profiler's kernel time (within 10 %)",
