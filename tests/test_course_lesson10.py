@@ -334,3 +334,100 @@ def test_the_verdict_follows_the_rounds_and_says_when_only_the_slower_link_shows
     text = modes_sentences({"links": [_link(1.0, 1, 200.0, 210.0, 190.0), _link(2.0, 3, 300.0, 350.0, 290.0)]})
     assert "beat overlap in 1 of 3 rounds" in text[0] and "not a result this machine reproduces" in text[0]
     assert "in every round" in text[1] and "only on the slower link" in text[2], text
+
+
+# --------------------------------------------------------------------------- 10.pipelined_step
+PIPE_RIGHT = """
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in range(len(mine)):
+        step_slice(i)
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+    return works
+"""
+
+
+def test_pipelined_step_right_answer_passes():
+    assert _messages("10.pipelined_step", PIPE_RIGHT) == []
+
+
+@pytest.mark.parametrize("source, first, expected", [
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    for i in range(len(mine)):
+        step_slice(i)
+    return [dist.all_gather_single(g, m, async_op=True) for g, m in zip(gathered, mine)]
+""", 1, "you stepped all 4 slices before launching any gather"),
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in reversed(range(len(mine))):
+        step_slice(i)
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+    return works[::-1]
+""", 1, "the gathers went out in the order [3, 2, 1, 0]"),
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in range(len(mine)):
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+        step_slice(i)
+    return works
+""", 0, "brought the values from before the step"),
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in range(len(mine)):
+        step_slice(i)
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+        works[-1].wait()
+    return works
+""", 1, "waited for a gather itself"),
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    for i in range(len(mine)):
+        step_slice(i)
+        dist.all_gather_single(gathered[i], mine[i])
+    return []
+""", 0, "launched synchronously (async_op=False)"),
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    for i in range(len(mine)):
+        step_slice(i)
+        dist.all_gather_single(gathered[i], mine[i], async_op=True)
+""", 0, "returned nothing: return the 4 works in flight"),
+], ids=["step_all_first", "backward_order", "gather_before_step", "waits_inside", "synchronous", "returns_nothing"])
+def test_pipelined_step_mistakes_are_named(source, first, expected):
+    results = _results("10.pipelined_step", source)
+    failed = [r for r in results if not r.passed]
+    assert failed and expected in failed[0].message, [r.message for r in results]
+    assert [r.passed for r in results].index(False) == first, [r.message for r in results]
+    assert all(r.reveal == "" for r in failed), "a first failure shows no code"
+    if first == 0:
+        assert "fix the case above first" in results[1].message
+
+
+def test_pipelined_step_third_failure_reveals_the_code():
+    all_first = PIPE_RIGHT.replace("""    for i in range(len(mine)):
+        step_slice(i)
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))""", """    for i in range(len(mine)):
+        step_slice(i)
+    for i in range(len(mine)):
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))""")
+    for attempt in (1, 2, 3):
+        second = _results("10.pipelined_step", all_first)[1]
+        assert "before launching any gather" in second.message and second.failures == attempt
+    assert "step_slice(i); works.append(dist.all_gather_single(" in second.reveal
+
+
+def test_pipelining_measurement_shows_the_gathers_under_the_step_and_says_so():
+    from course.checks.lesson10 import measure_pipelining, pipelining_sentences
+
+    m = measure_pipelining(run_cell(LEARNER_PREAMBLE + textwrap.dedent(PIPE_RIGHT)), repeats=3)
+    yours, unpiped = m["runs"]["yours"], m["runs"]["step, then gather"]
+    assert unpiped["under_step"] == 0 and yours["under_step"] >= m["buckets"] - 2, (yours, unpiped)
+    text = " ".join(pipelining_sentences(m))
+    assert f"{yours['last_arrival_ms']:.0f} ms after the step began" in text, text
+    stub = measure_pipelining({}, repeats=1)
+    assert list(stub["runs"]) == ["step, then gather"]
+    assert "write exercise 10.pipelined_step first" in pipelining_sentences(stub)[0]

@@ -384,7 +384,9 @@ for sentence in timeline_sentences(modes):
 # the optimizer bucket by bucket too, and launches each bucket's all-gather (red) as soon as its
 # slice is stepped, so the gathers start during clip + step and travel on while the next forward
 # begins: each block starts as soon as *its own* parameters are in, and the forward and the
-# gathers of the later blocks overlap. The lines under the figure count them in this run.
+# gathers of the later blocks overlap. The lines under the figure count them in this run. Your
+# `ParamGather.launch()` went out only after the whole step; the last section of this lesson
+# pipelines it the way the engine does.
 
 # %% tags=["hidden-check"]
 assert all(ln["sharded_ms"] > 0.7 * ln["limit_ms"] for ln in modes["links"]), modes   # nothing beats its limit
@@ -437,6 +439,86 @@ assert run["max_rank_difference"] == 0.0, run
 assert all(0.4 < s < 0.6 for s in state_share), state_share
 
 # %% [markdown]
+# ## The last piece: the step and the gathers, pipelined
+#
+# `ParamGather.launch()` started the gathers after `optimizer.step()` had stepped *every* slice.
+# But bucket 0's gather needs only bucket 0's slice: while the optimizer steps the slices of
+# buckets 1, 2, …, the link could already carry bucket 0. That is what `GradSync(mode="sharded")`
+# does (its "[Note: pipelined step]" in `hfstream/gradsync/sharded.py`): it steps the optimizer
+# bucket by bucket in forward order and launches each bucket's all-gather as soon as that
+# bucket's slice is stepped, so the step itself hides under the gathers, except its first slice.
+#
+# ## Exercise 10.pipelined_step — step a slice, send it, step the next
+#
+# Write `pipelined_step(mine, gathered, step_slice)`:
+#
+# - `mine[i]`: this rank's slice of bucket i, a 1-D tensor; bucket 0 is the one the forward
+#   needs first. `gathered[i]`: bucket i's all-gather output (N times `mine[i]`).
+# - `step_slice(i)`: runs the optimizer on `mine[i]`, in place (the course's stand-in for the
+#   optimizer's work on one bucket's slice).
+# - **returns** the all-gathers in flight, one work per bucket, in bucket order: the next
+#   forward's pre-hooks wait for them, each where it is needed (as your `wait_for(i)` did).
+#
+# The check runs it on 2 thread ranks and logs every step, launch and wait; then the cell after it
+# times your schedule on rank 0 against "step everything, then gather", with each gather holding a
+# simulated link for as long as one slice's step takes.
+
+# %%
+def pipelined_step(mine, gathered, step_slice):
+    """Step this rank's slice of every bucket and start the buckets' all-gathers, pipelined.
+
+    Args:
+        mine: this rank's slice of each bucket (1-D tensors), bucket 0 first in the forward.
+        gathered: each bucket's all-gather output, N x the size of its slice.
+        step_slice: step_slice(i) steps mine[i] in place.
+
+    Returns:
+        The works of the all-gathers in flight, one per bucket, in bucket order.
+    """
+    # BEGIN SOLUTION
+    works = []
+    for i in range(len(mine)):
+        step_slice(i)                 # bucket i's slice is final: its gather can leave now
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+    return works
+    # END SOLUTION
+
+# %%
+check("10.pipelined_step")
+
+# %% [markdown]
+# ### Measured: when the parameters are complete
+#
+# Two thread ranks (this process; no gloo) step 6 equal slices with a momentum update, once with
+# your `pipelined_step` and once with `step_then_gather`, the schedule of `ParamGather`,
+# interleaved 5 times. The steps run for real and are timed on rank 0; each gather then holds a
+# simulated link (`SimulatedLink`'s rule: one transfer after the other, its bytes' time) for as
+# long as one slice's step took, measured just before. With a link as fast as the step, the
+# unpipelined schedule ends 2 x 6 slice-times after the step began; the pipelined one can end
+# after 7. The figure shows the median run of each.
+
+# %%
+from course.checks.lesson10 import measure_pipelining, pipelining_figure, pipelining_sentences
+
+pipe = measure_pipelining(globals())
+for sentence in pipelining_sentences(pipe):
+    print("-", sentence)
+show(pipelining_figure(pipe, figure_path("10_pipelined.png")))
+
+# %% tags=["hidden-check"]
+yours, unpiped = pipe["runs"]["yours"], pipe["runs"]["step, then gather"]
+assert yours["under_step"] >= pipe["buckets"] - 2, yours      # the gathers left during the step
+assert unpiped["under_step"] == 0, unpiped                       # and not before it, unpipelined
+assert yours["last_arrival_ms"] < unpiped["last_arrival_ms"], (yours, unpiped)
+
+# %% [markdown]
+# On the figure the red bars of your schedule start under the purple ones: each gather is on the
+# link while the next slice is stepped. The line under it says how much sooner the parameters
+# were complete, and how close that came to the bound of `6 − 1` slice steps. On a GPU the
+# optimizer's kernels run on the compute stream and NCCL's gathers on their own, so the same
+# order gives the same overlap without a host thread in between.
+
+# %% [markdown]
 # ## What you have now
 #
 # - an all-reduce taken apart: a reduce-scatter (yours: an all-to-all and a local sum, half the
@@ -447,6 +529,8 @@ assert all(0.4 < s < 0.6 for s in state_share), state_share
 #   forward pre-hook;
 # - the limit that follows, `max(forward + backward + optimizer/N, comm)`, and a measurement of
 #   how far this machine gets towards it against DDP's ceiling, on two links, with its spread.
+# - the step and the gathers pipelined: each bucket's slice stepped, then its gather sent at once,
+#   in forward order, so the optimizer step hides under the gathers too.
 #
 # What this does not do: shard the gradients themselves (ZeRO-2) or the parameters (ZeRO-3 and
 # FSDP, which gather each layer's parameters before its forward *and* its backward, and free

@@ -121,7 +121,7 @@ class ThreadWorld:
 
     def note(self, rank, event, op=None, **extra) -> None:
         with self.cv:
-            entry = {"rank": rank, "event": event, "order": len(self.log), **extra}
+            entry = {"rank": rank, "event": event, "order": len(self.log), "t": time.perf_counter(), **extra}
             if op is not None:
                 entry.update(op=op.id, kind=op.kind, bytes=op.sent_bytes,
                              ptr=None if op.tensor is None else op.tensor.data_ptr())
