@@ -32,6 +32,7 @@ KEYS = {
                           "adds up what it receives", "divide by N exactly once"],
     "10.sharded_step": ["all-reduce the sum of squares", "square root of the", "pow(2).sum()",
                         "min(1, max_norm", "max_norm / (norm + 1e-6)"],
+    "08.check_advice": ["max(rest, wait)", "max(step_ms - wait", "rest + max(0", "- measured) / measured"],
     "10.pipelined_step": ["step_slice(i); works.append", "all_gather_single(gathered[i], mine[i]"],
     "10.gather_hook": ["-(-", "ceil(", "register_forward_pre_hook(lambda", "work.wait()", "p.copy_(v)",
                        "full[rank * size"],

@@ -122,3 +122,77 @@ def test_misreadings_are_named(old, new, index, needle):
     assert old in RIGHT
     passed, message = one_case("08.read_report", index, run_cell(RIGHT.replace(old, new)))
     assert not passed and needle in message, message
+
+
+# --------------------------------------------------------------------------- 08.check_advice
+ADVICE_RIGHT = """
+def check_advice(report, rerun):
+    advice = report["advice"][0]
+    applied = {advice["setting"]: advice["value"]}
+    after = rerun(**applied)
+    wait = report["mean"]["data_wait_ms"]
+    rest = report["mean"]["step_ms"] - wait
+    measured = after["mean"]["step_ms"]
+    return {"applied": applied, "mine_ms": max(rest, wait), "predicted_ms": advice["predicted_step_ms"],
+            "measured_ms": measured, "error": (advice["predicted_step_ms"] - measured) / measured}
+"""
+
+
+def _advice_results(source: str):
+    return check("08.check_advice", namespace=run_cell(textwrap.dedent(source)), quiet=True)
+
+
+def test_check_advice_right_answer_passes():
+    assert [r.message for r in _advice_results(ADVICE_RIGHT) if not r.passed] == []
+
+
+@pytest.mark.parametrize("old, new, index, needle", [
+    ('advice = report["advice"][0]', 'advice = report["advice"][-1]', 0, "you applied the last piece of advice"),
+    ("after = rerun(**applied)", "after = rerun(setting=advice['setting'], value=advice['value'])", 0,
+     "rerun takes the changed settings by name"),
+    ("after = rerun(**applied)", "after = report", 0, "never called rerun"),
+    ('measured = after["mean"]["step_ms"]', 'measured = report["mean"]["step_ms"]', 0,
+     "measured_ms is the step before the change"),
+    ('"error": (advice["predicted_step_ms"] - measured) / measured',
+     '"error": (measured - advice["predicted_step_ms"]) / measured', 1, "so the error is negative"),
+    ('"error": (advice["predicted_step_ms"] - measured) / measured',
+     '"error": (advice["predicted_step_ms"] - measured) / advice["predicted_step_ms"]', 1,
+     "a fraction of the prediction"),
+    ('"error": (advice["predicted_step_ms"] - measured) / measured',
+     '"error": advice["predicted_step_ms"] - measured', 1, "error is in milliseconds"),
+    ('"mine_ms": max(rest, wait)', '"mine_ms": rest', 2, "as if the wait disappeared entirely"),
+    ('"mine_ms": max(rest, wait)', '"mine_ms": report["mean"]["step_ms"]', 2, "the step as it was"),
+    ('"mine_ms": max(rest, wait)', '"mine_ms": min(rest, wait)', 2, "you predicted the shorter of the data wait and the rest"),
+    ('"mine_ms": max(rest, wait)', '"mine_ms": advice["predicted_step_ms"]', 2, "the advice's own number"),
+], ids=["last_advice", "setting_value_kwargs", "no_rerun", "old_step", "sign", "over_predicted", "ms",
+        "wait_vanishes", "no_change", "shorter", "copied_advice"])
+def test_advice_mistakes_are_named(old, new, index, needle):
+    assert old in ADVICE_RIGHT
+    results = _advice_results(ADVICE_RIGHT.replace(old, new))
+    failed = [r for r in results if not r.passed]
+    assert not results[index].passed and needle in results[index].message, [r.message for r in results]
+    assert all(r.reveal == "" for r in failed), "a first failure shows no code"
+    assert sum(not r.passed for r in results) == 1 + (index == 0), [r.message for r in results]
+
+
+def test_check_advice_third_failure_reveals_the_formula():
+    source = ADVICE_RIGHT.replace('"mine_ms": max(rest, wait)', '"mine_ms": rest')
+    for attempt in (1, 2, 3):
+        mine = _advice_results(source)[2]
+        assert "disappeared entirely" in mine.message and mine.failures == attempt
+    assert "max(rest, wait)" in mine.reveal
+
+
+def test_advice_sentences_follow_the_numbers():
+    from course.checks.lesson08 import advice_sentences
+
+    before = {"mean": {"step_ms": 60.0, "data_wait_ms": 41.0},
+              "advice": [{"setting": "prefetch_depth", "value": 2, "predicted_step_ms": 41.2}]}
+    over = {"applied": {"prefetch_depth": 2}, "mine_ms": 41.0, "predicted_ms": 41.2, "measured_ms": 60.0,
+            "error": (41.2 - 60.0) / 60.0}
+    text = " ".join(advice_sentences(before, over))
+    assert "-31.3%" in text and "promised a faster step" in text and "outside the 25 %" in text, text
+    near = dict(over, measured_ms=40.0, error=(41.2 - 40.0) / 40.0)
+    text = " ".join(advice_sentences(before, near, {"mean": {"data_wait_ms": 26.0}, "advice": []}))
+    assert "+3.0%" in text and "faster than the advice promised" in text and "within the 25 %" in text, text
+    assert "1.50 x faster" in text and "no advice worth 5 %" in text, text

@@ -299,3 +299,225 @@ def _(learner):
                 raise Wrong("you picked the least efficient rank: efficiency compares a rank with its own "
                             "ceiling. The rank the others wait for is the one with the longest step_ms")
             raise AssertionError(f"{name}: the slowest rank is {want['slowest_rank']}, you said {got['slowest_rank']}")
+
+
+# --------------------------------------------------------------------------- 08.check_advice
+LOADER_WAIT_MS = 40.0          # what each batch costs the loader: a read from slow storage, say
+ADVICE_STEPS = 12
+
+
+class SlowStorage:
+    """A collate that waits ``wait_ms`` per batch before stacking it, as a loader reading each batch
+    from a slow disk or a remote bucket would: the time passes without a core, so prefetching it
+    needs no core of its own (a decoding collate would need one)."""
+
+    def __init__(self, wait_ms: float = LOADER_WAIT_MS):
+        self.wait_ms = wait_ms
+
+    def __call__(self, rows):
+        import time
+
+        time.sleep(self.wait_ms / 1e3)
+        ids = torch.stack([torch.as_tensor(r["input_ids"]) for r in rows])
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def data_bound_run(**changes) -> dict:
+    """Train a tiny GPT-2 in this process (one process, `ADVICE_STEPS` steps) behind a loader that
+    waits `LOADER_WAIT_MS` per batch, with no prefetching unless ``changes`` say otherwise; returns
+    the step report as a dict (``mean``, ``advice``, ...). ``changes`` are `StreamTrainingArguments`
+    fields, as a piece of advice names them (``data_bound_run(prefetch_depth=2)``)."""
+    from course.lib import tiny_gpt2
+    from hfstream import StreamTrainer, StreamTrainingArguments
+
+    settings = dict(output_dir=tempfile.mkdtemp(prefix="hfstream-l08-advice-"), max_steps=ADVICE_STEPS,
+                    per_device_train_batch_size=4, learning_rate=3e-3, lr_scheduler_type="constant",
+                    logging_steps=ADVICE_STEPS, seed=0, report_to="none", save_strategy="no", disable_tqdm=True,
+                    use_cpu=True, prefetch_depth=0)
+    settings.update(changes)
+    trainer = StreamTrainer(model=tiny_gpt2(layers=2, width=64, positions=32), args=StreamTrainingArguments(**settings),
+                            train_dataset=tiny_dataset(4 * (ADVICE_STEPS + 2)), data_collator=SlowStorage())
+    with one_thread(), contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        trainer.train()
+    report = copy.deepcopy(dict(trainer.stream_report()))
+    report["settings"] = {k: settings[k] for k in ("prefetch_depth", *changes)}
+    return report
+
+
+check_ex = Exercise("08.check_advice", uses=["check_advice"], title="the report's advice, checked by measurement")
+
+ADVICE_REVEAL = ("a = report['advice'][0]; applied = {a['setting']: a['value']}; after = rerun(**applied); "
+                 "wait = report['mean']['data_wait_ms']; rest = report['mean']['step_ms'] - wait; mine_ms = "
+                 "max(rest, wait); measured = after['mean']['step_ms']; error = (a['predicted_step_ms'] - measured) / "
+                 "measured")
+KEYS_OUT = ("applied", "mine_ms", "predicted_ms", "measured_ms", "error")
+
+
+def _advised(step: float, wait: float, predicted: float) -> dict:
+    """A data-bound report: its mean and two pieces of advice, prefetching first."""
+    rest = step - wait
+    return {"mean": {"data_wait_ms": wait, "forward_ms": 0.35 * rest, "backward_ms": 0.45 * rest,
+                     "exposed_comm_ms": 0.0, "optimizer_ms": 0.15 * rest, "step_ms": step, "comm_busy_ms": math.nan,
+                     "ideal_ms": 0.95 * rest, "efficiency": 0.95 * rest / step, "overlap": math.nan, "steps": 7.0},
+            "advice": [{"setting": "prefetch_depth", "value": 2, "predicted_step_ms": predicted,
+                        "reason": "the step waited for its batch", "changes_results": False},
+                       {"setting": "gradient_accumulation_steps", "value": 2, "predicted_step_ms": step * 0.9,
+                        "reason": "changes the results", "changes_results": True}],
+            "grad_sync": None, "prefetch_depth": 0}
+
+
+class _Rerun:
+    """A stand-in for `data_bound_run`: records what it was asked, returns a report measured at ``after_ms``."""
+
+    def __init__(self, after_ms: float):
+        self.after_ms, self.calls = after_ms, []
+
+    def __call__(self, *args, **changes):
+        self.calls.append((args, changes))
+        report = _advised(self.after_ms, 0.2 * self.after_ms, self.after_ms)
+        report["advice"] = []
+        return report
+
+
+def _run_check_advice(learner, report: dict, after_ms: float) -> tuple[dict, _Rerun]:
+    rerun = _Rerun(after_ms)
+    got = learner.check_advice(copy.deepcopy(report), rerun)
+    if not isinstance(got, dict):
+        raise Wrong(f"check_advice returned {type(got).__name__}: return a dict with keys {', '.join(KEYS_OUT)}", reveal=ADVICE_REVEAL)
+    missing = [k for k in KEYS_OUT if k not in got]
+    if missing:
+        raise Wrong(f"check_advice's dict lacks {missing}", reveal=ADVICE_REVEAL)
+    return got, rerun
+
+
+@check_ex.case("it applies the first piece of advice, and only that, and measures the run it gets back",
+               hint="the advice is a list, best first; each piece names one setting and its value, and rerun takes "
+                    "settings as StreamTrainingArguments takes them",
+               reveal=ADVICE_REVEAL)
+def _(learner):
+    report = _advised(100.0, 60.0, 60.0)
+    got, rerun = _run_check_advice(learner, report, 64.0)
+    if not rerun.calls:
+        raise Wrong("check_advice never called rerun: the measurement after the change is a new run, and the "
+                    "report you were given is the run before it", reveal=ADVICE_REVEAL)
+    if len(rerun.calls) > 1:
+        raise Wrong(f"rerun was called {len(rerun.calls)} times: apply one piece of advice, one new run (each run "
+                    f"trains again)", reveal=ADVICE_REVEAL)
+    args, changes = rerun.calls[0]
+    if args or set(changes) == {"setting", "value"}:
+        raise Wrong("rerun takes the changed settings by name, as StreamTrainingArguments does "
+                    "(rerun(some_field=its_value)); the advice's 'setting' is that name and 'value' its value", reveal=ADVICE_REVEAL)
+    if changes == {"gradient_accumulation_steps": 2}:
+        raise Wrong("you applied the last piece of advice: the list is best first, and that one changes the "
+                    "results (its changes_results is True)", reveal=ADVICE_REVEAL)
+    if changes != {"prefetch_depth": 2}:
+        raise Wrong(f"rerun got {changes}: apply the first piece of advice, its setting set to its value", reveal=ADVICE_REVEAL)
+    if got["applied"] != changes:
+        raise Wrong(f"'applied' is {got['applied']!r}, but rerun got {changes}: return the settings you changed", reveal=ADVICE_REVEAL)
+    if got["measured_ms"] == report["mean"]["step_ms"]:
+        raise Wrong("measured_ms is the step before the change: the measurement is the new run's mean step", reveal=ADVICE_REVEAL)
+    if not math.isclose(float(got["measured_ms"]), 64.0, rel_tol=1e-9):
+        raise Wrong(f"measured_ms is {got['measured_ms']!r}; the new run's report says its mean step was 64.0 ms", reveal=ADVICE_REVEAL)
+    if not math.isclose(float(got["predicted_ms"]), 60.0, rel_tol=1e-9):
+        raise Wrong(f"predicted_ms is {got['predicted_ms']!r}: the first piece of advice predicted 60.0 ms "
+                    f"(its predicted_step_ms)", reveal=ADVICE_REVEAL)
+    return "prefetch_depth=2 applied, one new run, its step measured"
+
+
+@check_ex.case("the prediction error: a fraction of the measured step, negative when the advice promised too much",
+               hint="the error compares the advice's prediction with what was measured, as a fraction of the "
+                    "measurement, and its sign says which way the advice was wrong",
+               reveal=ADVICE_REVEAL, after="it applies the first piece of advice, and only that, and measures the "
+                                           "run it gets back")
+def _(learner):
+    got, _ = _run_check_advice(learner, _advised(100.0, 60.0, 60.0), 64.0)
+    err, want = float(got["error"]), (60.0 - 64.0) / 64.0
+    if math.isclose(err, want, abs_tol=1e-9):
+        return f"predicted 60 ms, measured 64 ms: error {want:+.1%}"
+    if math.isclose(err, -want, abs_tol=1e-9):
+        raise Wrong(f"error is {err:+.4f}: the advice promised 60 ms and the run took 64, it promised a faster step "
+                    f"than it gave, so the error is negative (prediction minus measurement)", reveal=ADVICE_REVEAL)
+    if math.isclose(err, (60.0 - 64.0) / 60.0, abs_tol=1e-9) or math.isclose(err, (64.0 - 60.0) / 60.0, abs_tol=1e-9):
+        raise Wrong(f"error is {err:+.4f}, a fraction of the prediction: take it as a fraction of the measured step, "
+                    f"as hfstream.tools.bench.advice reports it", reveal=ADVICE_REVEAL)
+    if math.isclose(abs(err), 4.0, abs_tol=1e-9):
+        raise Wrong("error is in milliseconds: give it as a fraction of the measured step (0.05 for 5 %)", reveal=ADVICE_REVEAL)
+    if math.isclose(err, (100.0 - 64.0) / 64.0, abs_tol=1e-9) or math.isclose(err, (64.0 - 100.0) / 64.0,
+                                                                              abs_tol=1e-9):
+        raise Wrong(f"error is {err:+.4f}: that compares the step before the change with the step after it; the "
+                    f"error is the advice's prediction against the step after", reveal=ADVICE_REVEAL)
+    raise AssertionError(f"error is {err!r}: the advice predicted 60 ms, the new run measured 64 ms")
+
+
+YOURS_CASE = "your own prediction, from the report's mean alone (a loader slower and faster than the rest of the step)"
+
+
+@check_ex.case(YOURS_CASE,
+               hint="prefetching moves the loader beside the step (lesson 03): it hides what it can of the wait, and "
+                    "a step still needs both its batch and the rest of its own work",
+               reveal=ADVICE_REVEAL)
+def _(learner):
+    cases = ((100.0, 60.0), (100.0, 30.0))
+    answers = []
+    for step, wait in cases:
+        want = max(step - wait, wait)
+        got, _ = _run_check_advice(learner, _advised(step, wait, want + 3.0), want)   # the advice's own model differs
+        answers.append((step, wait, want, got))
+    if all(math.isclose(float(g["mine_ms"]), min(st - w, w), rel_tol=1e-6) for st, w, _, g in answers):
+        raise Wrong("you predicted the shorter of the data wait and the rest of the step, in both reports: the step "
+                    "cannot be shorter than its own work, nor than the time its batch takes to make", reveal=ADVICE_REVEAL)
+    for step, wait, want, got in answers:
+        rest = step - wait
+        mine = float(got["mine_ms"])
+        if math.isclose(mine, want, rel_tol=1e-6):
+            continue
+        said = f"step {step:.0f} ms, data wait {wait:.0f} ms: you predicted {mine:.1f} ms"
+        if math.isclose(mine, rest, rel_tol=1e-6):
+            raise Wrong(f"{said}, as if the wait disappeared entirely. The loader still takes {wait:.0f} ms to make "
+                        f"each batch, and the rest of the step takes {rest:.0f}: a batch cannot come faster than "
+                        f"it is made", reveal=ADVICE_REVEAL)
+        if math.isclose(mine, step, rel_tol=1e-6):
+            raise Wrong(f"{said}, the step as it was: prefetching runs the loader beside the rest of the step, so "
+                        f"the two overlap", reveal=ADVICE_REVEAL)
+        if math.isclose(mine, wait, rel_tol=1e-6) or math.isclose(mine, min(rest, wait), rel_tol=1e-6):
+            raise Wrong(f"{said}, the shorter of the two: the step still does its own {rest:.0f} ms of work "
+                        f"and still needs a batch that takes {wait:.0f} ms to make", reveal=ADVICE_REVEAL)
+        if math.isclose(mine, float(got["predicted_ms"]), rel_tol=1e-6):
+            raise Wrong(f"{said}, the advice's own number: predict it yourself, from the report's mean only", reveal=ADVICE_REVEAL)
+        raise AssertionError(f"{said}")
+    return "a loader slower than the rest of the step, and one faster, both predicted"
+
+
+def advice_sentences(before: dict, result: dict, after: dict | None = None) -> list[str]:
+    """What the check of the advice measured, in sentences computed from the numbers."""
+    m = before["mean"]
+    first = before["advice"][0]
+    err = result["error"]
+    applied = ", ".join(f"{k}={v!r}" for k, v in result["applied"].items())
+    lines = [f"before: step {m['step_ms']:.1f} ms, of which data wait {m['data_wait_ms']:.1f} ms; the first advice "
+             f"was {first['setting']}={first['value']!r}, predicted {result['predicted_ms']:.1f} ms; yours "
+             f"{result['mine_ms']:.1f} ms;",
+             f"after {applied}: step {result['measured_ms']:.1f} ms, "
+             f"{m['step_ms'] / result['measured_ms']:.2f} x faster than before;"]
+    verdict = ("within the 25 % that hfstream.tools.bench.advice aims for" if abs(err) <= 0.25
+               else "outside the 25 % that hfstream.tools.bench.advice aims for")
+    direction = ("the advice promised a faster step than this run gave" if err < 0 else
+                 "the run was faster than the advice promised" if err > 0 else "exactly as promised")
+    lines.append(f"the advice's prediction was off by {err:+.1%} of the measured step ({direction}), {verdict}.")
+    if after is not None:
+        wait = after["mean"]["data_wait_ms"]
+        nxt = after.get("advice") or []
+        tail = (f" its first advice now: {nxt[0]['setting']}={nxt[0]['value']!r}, predicted "
+                f"{nxt[0]['predicted_step_ms']:.1f} ms" if nxt else " it has no advice worth 5 % of its step")
+        lines.append(f"the new run still waited {wait:.1f} ms per step for its batch;{tail}.")
+    return lines
+
+
+def advice_figure(before: dict, result: dict, path):
+    """Before, the two predictions, and the measured step after the change."""
+    from course.lib import bar_chart
+
+    values = {"before": before["mean"]["step_ms"], "advice predicted": result["predicted_ms"],
+              "you predicted": result["mine_ms"], "measured after": result["measured_ms"]}
+    return bar_chart(values, path, ylabel="step (ms)",
+                     title=f"{', '.join(f'{k}={v!r}' for k, v in result['applied'].items())}: predicted and measured")

@@ -4,7 +4,7 @@
 # **Time:** 40 minutes. **Runs on:** any laptop (CPU: `accelerate launch` with 2 gloo processes,
 # and two one-process "nodes" on one machine). **You will:** migrate a stock `Trainer` script to
 # hfstream's `StreamTrainer`, launch it the way real jobs are launched, read its step report, and
-# run a two-node job on one machine.
+# run a two-node job on one machine, and check the report's advice by measuring it.
 #
 # ## Where your building blocks went
 #
@@ -335,6 +335,94 @@ gpu_cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", 
 show_run(out)
 
 # %% [markdown]
+# ## The report's advice, checked by measurement
+#
+# At the end of `train()` the report says what to change, when a change is predicted to save at
+# least 5 % of the step: `report["advice"]`, a list, best first, of `{"setting", "value",
+# "predicted_step_ms", "reason", "changes_results"}`, printed under the table as `advice: set
+# <setting>=<value>: ...`, written to `output_dir/stream_report.json` (`python -m hfstream doctor
+# OUTPUT_DIR` prints it again). Each prediction is the run's own measured parts put through a
+# model of the step (docs/design.md section 4, "Advice"). A prediction is a claim; measure it.
+#
+# The next cell trains a tiny GPT-2 in this process, one process, behind a loader that spends
+# 40 ms on every batch (`SlowStorage`: a read from slow storage, which waits without using a
+# core) and no prefetching: a deliberately data-bound run. Its report, in its printed names:
+
+# %%
+from course.checks.lesson08 import advice_figure, advice_sentences, data_bound_run
+from hfstream.report_format import format_report
+
+before = data_bound_run()
+print(format_report(before, title="data-bound run (prefetch_depth=0)"))
+
+# %% [markdown]
+# ## Exercise 08.check_advice — apply the advice, measure, and predict it yourself
+#
+# Write `check_advice(report, rerun)`:
+#
+# - `report`: the report of a data-bound run, as above; `rerun(**settings)` trains the same run
+#   again with those `StreamTrainingArguments` fields changed and returns its report (in the
+#   lesson it is `data_bound_run`);
+# - apply the report's **first** piece of advice, and only it, with one call of `rerun`;
+# - return a dict: `"applied"` (the settings you passed to `rerun`), `"predicted_ms"` (what the
+#   advice predicted), `"measured_ms"` (the mean step of the run after the change), `"error"`
+#   (how far the prediction was from the measurement, as a fraction of the measured step,
+#   negative when the advice promised a faster step than was measured), and `"mine_ms"`: **your
+#   own** prediction of the step once the batches are prefetched, from `report["mean"]` alone
+#   (what did lesson 03 say a producer beside the step can and cannot hide?).
+#
+# The check runs your function on made-up reports (a loader slower than the rest of the step, and
+# one faster) with a stand-in for `rerun` that records what it was asked; the cell after it runs
+# it for real.
+
+# %%
+def check_advice(report, rerun):
+    """Apply the report's first advice, measure the step again, and compare it with two predictions."""
+    # BEGIN SOLUTION
+    advice = report["advice"][0]
+    applied = {advice["setting"]: advice["value"]}
+    after = rerun(**applied)
+    wait = report["mean"]["data_wait_ms"]
+    rest = report["mean"]["step_ms"] - wait            # the step's own work, which the loader can run beside
+    measured = after["mean"]["step_ms"]
+    return {"applied": applied, "mine_ms": max(rest, wait), "predicted_ms": advice["predicted_step_ms"],
+            "measured_ms": measured, "error": (advice["predicted_step_ms"] - measured) / measured}
+    # END SOLUTION
+
+# %%
+check("08.check_advice")
+
+# %% [markdown]
+# ### Measured: the advice applied
+
+# %%
+checked = None
+if not before.get("advice"):
+    print("This run's report has no advice: nothing to check.")
+elif is_stub(check_advice):
+    print("Write check_advice (exercise 08.check_advice) first: this cell runs your function.")
+else:
+    runs = []
+    checked = check_advice(before, lambda **changes: runs.append(data_bound_run(**changes)) or runs[-1])
+    for sentence in advice_sentences(before, checked, runs[-1] if runs else None):
+        print("-", sentence)
+    show(advice_figure(before, checked, figure_path("08_advice.png")))
+
+# %% tags=["hidden-check"]
+assert checked is not None and before["advice"][0]["setting"] == "prefetch_depth", before.get("advice")
+assert checked["measured_ms"] < 0.9 * before["mean"]["step_ms"], checked          # prefetching paid
+assert abs(checked["mine_ms"] - checked["predicted_ms"]) < 0.15 * checked["predicted_ms"], checked
+
+# %% [markdown]
+# Your prediction and the advice's come from the same model, a producer beside the step that hides
+# what the rest of the step leaves it time for; the advice's number also carries what the model
+# does not see, the bookkeeping between the report's marks. The sentences above say how far this
+# run's measurement landed from both. A shared machine moves a step by a few milliseconds from
+# run to run, so one run settles the direction, not the last digit. The new run's own line says
+# what is left: with a loader slower than the rest of the step, prefetching alone cannot make the
+# step shorter than a batch takes to load.
+
+# %% [markdown]
 # ## What you have now
 #
 # - the migration: two names, every stock setting kept, three knobs (`prefetch_depth`,
@@ -343,5 +431,7 @@ show_run(out)
 #   `--num_machines`/`--machine_rank` for several, and the environment contract behind both;
 # - a report you can read in numbers: efficiency, headroom, the biggest cost above the ceiling, the
 #   rank everyone waits for.
+# - the report's advice taken as a claim and checked: applied, measured again, its prediction error
+#   computed, and the same prediction made by you from the report's parts.
 #
 # Lesson 09 takes the ceiling from 2 processes to 1024 devices with the planner.
