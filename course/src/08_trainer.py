@@ -1,7 +1,7 @@
 # %% [markdown]
 # # Lesson 08 — Into the Trainer
 #
-# **Time:** 40 minutes. **Runs on:** any laptop (CPU: `accelerate launch` with 2 gloo processes,
+# **Time:** 50 minutes. **Runs on:** any laptop (CPU: `accelerate launch` with 2 gloo processes,
 # and two one-process "nodes" on one machine). **You will:** migrate a stock `Trainer` script to
 # hfstream's `StreamTrainer`, launch it the way real jobs are launched, read its step report, and
 # run a two-node job on one machine, and check the report's advice by measuring it.

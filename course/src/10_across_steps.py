@@ -1,12 +1,13 @@
 # %% [markdown]
 # # Lesson 10 — Across the step boundary
 #
-# **Time:** 60 minutes. **Runs on:** any laptop (CPU; 2 gloo processes for the measurements).
+# **Time:** 70 minutes. **Runs on:** any laptop (CPU; 2 gloo processes for the measurements).
 # **You will:** take an all-reduce apart into its two halves, build the first half yourself and
 # measure it, write the optimizer step of a rank that owns only a slice of the model, make the
 # forward wait for the second half layer by layer, and measure what that buys against DDP's best:
 # the step's limit moves from `forward + max(backward, comm) + optimizer` to
-# `max(forward + backward + optimizer/N, comm)`.
+# `max(forward + backward + optimizer/N, comm)`. Last, pipeline the optimizer step with the
+# gathers, bucket by bucket, and measure when the parameters are complete.
 #
 # ## What DDP's ceiling leaves exposed
 #
