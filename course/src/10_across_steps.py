@@ -508,16 +508,16 @@ show(pipelining_figure(pipe, figure_path("10_pipelined.png")))
 
 # %% tags=["hidden-check"]
 yours, unpiped = pipe["runs"]["yours"], pipe["runs"]["step, then gather"]
-assert yours["under_step"] >= pipe["buckets"] - 2, yours      # the gathers left during the step
+assert yours["under_step"] == pipe["buckets"] - 1, yours      # every gather but the last left during the step
 assert unpiped["under_step"] == 0, unpiped                       # and not before it, unpipelined
 assert yours["last_arrival_ms"] < unpiped["last_arrival_ms"], (yours, unpiped)
 
 # %% [markdown]
-# On the figure the red bars of your schedule start under the purple ones: each gather is on the
-# link while the next slice is stepped. The line under it says how much sooner the parameters
-# were complete, and how close that came to the bound of `6 − 1` slice steps. On a GPU the
-# optimizer's kernels run on the compute stream and NCCL's gathers on their own, so the same
-# order gives the same overlap without a host thread in between.
+# On the figure the red bars of your schedule start under the purple ones: each gather leaves
+# while the next slice is stepped. The lines above say how much sooner the parameters were
+# complete, and how close that came to the most it could be, the steps of the 5 slices after the
+# first. On a GPU the optimizer's kernels run on the compute stream and NCCL's gathers on their
+# own, so the same order gives the same overlap without a host thread in between.
 
 # %% [markdown]
 # ## What you have now
