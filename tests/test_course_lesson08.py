@@ -1,5 +1,6 @@
 """Lesson 08's checks tell the likely mistakes apart: a half-done migration and a misread report
-each get the hint that names the mistake, and the right answers pass."""
+each get the hint that names the mistake, and so does a misapplied or mispredicted piece of advice;
+the right answers pass."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 dividing, uses all_reduce, keeps the wrong slice, sends every peer the whole tensor, never waits or
 only works on 2 ranks; a sharded step that clips with the local norm, adds norms, scales up or
 steps slices it does not own; a parameter gather that waits for every layer before the forward,
-launches in backward order, never waits or launches inside the forward. The right answers pass
+launches in backward order, never waits or launches inside the forward; a pipelined step that steps
+every slice first, gathers in backward order or before the step, waits, or returns no works. The right answers pass
 (all-to-all and isend/irecv alike), an untouched stub gets a first-stage hint, the third failure
 of a case shows its code, and the thread ranks fail fast instead of hanging. Fast: every check
 runs its ranks as threads of this process; no gloo process is spawned here (the solution notebook,

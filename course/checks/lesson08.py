@@ -5,7 +5,9 @@ The migration is graded by building and training the learner's trainer in this p
 single process: cheap); the notebook then launches the same function under `accelerate launch`.
 The report exercise is graded on real reports recorded from `course/scripts/08_train_tiny.py`
 runs (two processes on one machine, and two one-process "nodes"), on variants of them in which
-another part dominates, and on the report the learner's own launch produced.
+another part dominates, and on the report the learner's own launch produced. The advice exercise is
+graded on made-up data-bound reports with a stand-in for the rerun that records what it was asked;
+the notebook then runs it for real (`data_bound_run`: one process, a loader that waits per batch).
 """
 
 from __future__ import annotations
