@@ -67,6 +67,7 @@ def test_a_missing_checkpoint_directory_names_the_argument(tmp_path):
         check_checkpoint(tmp_path / "nope")
 
 
+@pytest.mark.slow   # one rank's truncated checkpoint is refused in make test (check_checkpoint's tests)
 @pytest.mark.multiprocess
 def test_resuming_two_ranks_from_a_truncated_checkpoint_fails_fast_on_both(tmp_path):
     out = tmp_path / "run"
