@@ -53,7 +53,7 @@ from hfstream.gradsync.buckets import MiB
 from hfstream.gradsync.sharded import ShardedReduction
 from hfstream.schedule import overlap_exposed, sharded_step
 
-from .shapes import ModelShape, shape_from_params
+from .shapes import ModelShape
 
 DEFAULT_WORLD_SIZES = tuple(2**i for i in range(11))   # 1, 2, 4, ..., 1024
 DDP_FIRST_BUCKET_MB = 1.0   # DDP's first bucket (_DEFAULT_FIRST_BUCKET_BYTES) when bucket_cap_mb is not given
