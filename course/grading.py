@@ -213,6 +213,25 @@ class Learner:
     def get(self, name: str, default: Any = None) -> Any:
         return self.ns.get(name, default)
 
+    @property
+    def facts(self) -> dict:
+        """Facts shared by the cases of one `check()` call (one `Learner`), never across calls: a
+        re-run of the check runs the learner's code again, so a passing flake is not remembered."""
+        return self.__dict__.setdefault("_lesson_facts", {})
+
+    def once(self, key: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` once per check call; later cases reuse its facts, or its failure (`Wrong`)."""
+        memo = self.facts
+        if key not in memo:
+            try:
+                memo[key] = ("ok", compute())
+            except Wrong as exc:
+                memo[key] = ("wrong", exc)
+        kind, value = memo[key]
+        if kind == "wrong":
+            raise Wrong(str(value), reveal=value.reveal)
+        return value
+
     def source(self, name: str) -> str:
         """The source of the cell (or file) where ``name`` was defined."""
         obj = getattr(self, name)

@@ -51,7 +51,6 @@ class RunFacts:
         prefetch_depth, dataloader_num_workers, gradient_accumulation_steps: as set.
         bucket_mb: the cap in use (the chosen one under ``"auto"``); None if unknown.
         auto_bucket: ``grad_bucket_mb="auto"`` chose ``bucket_mb``.
-        grad_bytes: bytes of all synchronised gradients in their own dtype.
         wire_element_bytes / grad_element_bytes: bytes per element on the wire / in the gradient.
         backend: the process group's backend (``"gloo"``, ``"nccl"``), for `LATENCY_MS`.
         plan: bucket bytes in launch order for a cap in MiB (GradSync's own planner), or None.
@@ -68,7 +67,6 @@ class RunFacts:
     gradient_accumulation_steps: int = 1
     bucket_mb: float | None = None
     auto_bucket: bool = False
-    grad_bytes: int = 0
     wire_element_bytes: int = 4
     grad_element_bytes: int = 4
     backend: str = "gloo"
@@ -171,7 +169,7 @@ def advise(mean: dict, facts: RunFacts) -> list[dict]:
                    _num(mean, "step_ms"))
     if parts.step <= 0:
         return []
-    out = _data_advice(parts, facts) + _comm_advice(parts, facts, mean) + _accumulation_advice(parts, facts)
+    out = _data_advice(parts, facts) + _comm_advice(parts, facts) + _accumulation_advice(parts, facts)
     worth = [a for a in out if a["predicted_step_ms"] <= parts.step * (1 - MIN_SAVING)]
     worth.sort(key=lambda a: (a["changes_results"], a["predicted_step_ms"]))
     seen, best = set(), []
@@ -217,15 +215,16 @@ def _data_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
     return out
 
 
-def _comm_advice(parts: _Parts, facts: RunFacts, mean: dict) -> list[dict]:
+def _comm_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
     mode = facts.grad_sync
     if mode not in ("overlap", "sharded", "serial") or facts.world_size < 2 or facts.plan is None:
         return []
     if facts.bucket_mb is None or parts.busy <= 0:
         return []
     scale = facts.wire_element_bytes / max(1, facts.grad_element_bytes)
-    current = [b * scale for b in facts.plan(facts.bucket_mb)]
-    link = _Link(facts, parts, facts.plan(facts.bucket_mb))
+    planned = facts.plan(facts.bucket_mb)
+    current = [b * scale for b in planned]
+    link = _Link(facts, parts, planned)
     base = _comm_step(mode, current, link, parts, facts, parts.optimizer)
     other = parts.step - parts.data_wait - base   # what the model does not explain, carried over
 
@@ -300,10 +299,9 @@ def facts_from_trainer(trainer) -> RunFacts:
     world = int(getattr(trainer.accelerator, "num_processes", 1) or 1)
     mode = trainer.grad_sync_mode if world > 1 else None
     plan = bucket_mb = None
-    grad_bytes, wire, elem, backend = 0, 4, 4, "gloo"
+    wire, elem, backend = 4, 4, "gloo"
     if sync is not None and sync.world_size > 1:
         hooked = sync.hooked_parameters
-        grad_bytes = sum(p.numel() * p.element_size() for _, p in hooked)
         elem = hooked[0][1].element_size() if hooked else 4
         wire = sync.comm_dtype.itemsize if sync.comm_dtype is not None else elem
         bucket_mb = sync.bucket_mb if isinstance(sync.bucket_mb, float) else None
@@ -325,5 +323,5 @@ def facts_from_trainer(trainer) -> RunFacts:
         dataloader_num_workers=int(args.dataloader_num_workers),
         gradient_accumulation_steps=int(args.gradient_accumulation_steps),
         bucket_mb=bucket_mb, auto_bucket=getattr(args, "grad_bucket_mb", None) == "auto",
-        grad_bytes=grad_bytes, wire_element_bytes=wire, grad_element_bytes=elem, backend=backend, plan=plan,
+        wire_element_bytes=wire, grad_element_bytes=elem, backend=backend, plan=plan,
         cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)), spare_cores=spare)

@@ -150,23 +150,12 @@ def run_ranks(fn, *args, hint: str, timeout: float = 90.0, pg_timeout_s: float =
 
 
 def _memo(learner: Learner) -> dict:
-    """Facts shared by the cases of one `check()` call (one `Learner`), never across calls: a
-    re-run of the check runs the learner's code again, so a passing flake is not remembered."""
-    return learner.__dict__.setdefault("_lesson_facts", {})
+    return learner.facts
 
 
 def cached(key: str, learner: Learner, compute):
     """Run ``compute(path)`` once per check call; later cases reuse the facts (or the failure)."""
-    memo = _memo(learner)
-    if key not in memo:
-        try:
-            memo[key] = ("ok", compute(learner.module_file()))
-        except Wrong as exc:
-            memo[key] = ("wrong", exc)
-    kind, value = memo[key]
-    if kind == "wrong":
-        raise Wrong(str(value), reveal=value.reveal)
-    return value
+    return learner.once(key, lambda: compute(learner.module_file()))
 
 
 def _classify(got, mean, local, world_size) -> str:

@@ -8,7 +8,7 @@ import torch
 
 from course.grading import Exercise, Wrong
 
-from .threads import _close, _once, in_threads, raise_rank_error
+from .threads import _close, in_threads, raise_rank_error
 
 
 # =============================================================================================
@@ -112,7 +112,7 @@ def _gather_facts(learner) -> dict:
         if any(errors):
             raise_rank_error(errors, world, GATHER_HINT, GATHER_REVEAL)
         return results
-    return _once(learner, "10.gather_hook", compute)
+    return learner.once("10.gather_hook", compute)
 
 
 def _gather_layer(entry: dict, ptr: dict) -> int | None:

@@ -11,7 +11,7 @@ import torch
 
 from course.grading import Exercise, Wrong
 
-from .threads import _once, in_threads, raise_rank_error
+from .threads import in_threads, raise_rank_error
 
 # =============================================================================================
 # 10.pipelined_step
@@ -71,7 +71,7 @@ def _pipe_facts(learner) -> list[dict]:
         if any(errors):
             raise_rank_error(errors, world, PIPE_HINT, PIPE_REVEAL)
         return results
-    return _once(learner, "10.pipelined_step", compute)
+    return learner.once("10.pipelined_step", compute)
 
 
 def _gathers(res: dict) -> list[dict]:

@@ -8,7 +8,7 @@ import torch
 
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub
 
-from .threads import REFUSED, _close, _once, _unwaited, in_threads, raise_rank_error
+from .threads import REFUSED, _close, _unwaited, in_threads, raise_rank_error
 
 
 # =============================================================================================
@@ -52,7 +52,7 @@ def _rs_facts(learner) -> dict:
                 raise_rank_error(errors, world, RS_HINT, RS_REVEAL, where=f"{n} ranks: ")
             facts[n] = results
         return facts
-    return _once(learner, "10.reduce_scatter", compute)
+    return learner.once("10.reduce_scatter", compute)
 
 
 def _rs_diagnose(got: torch.Tensor | None, rank: int, n: int, size: int, log: list[dict]) -> str | None:

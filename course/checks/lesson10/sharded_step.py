@@ -9,7 +9,7 @@ import torch
 
 from course.grading import Exercise, Wrong
 
-from .threads import _close, _once, in_threads, raise_rank_error
+from .threads import _close, in_threads, raise_rank_error
 
 
 # =============================================================================================
@@ -74,7 +74,7 @@ def _step_facts(learner) -> dict:
                 raise_rank_error(errors, world, STEP_HINT, STEP_REVEAL, where=f"{n} ranks: ")
             facts[n] = results
         return facts
-    return _once(learner, "10.sharded_step", compute)
+    return learner.once("10.sharded_step", compute)
 
 
 def _as_float(value, n, rank) -> float:

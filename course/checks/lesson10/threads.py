@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from course.grading import Learner, Wrong
+from course.grading import Wrong
 
 # =============================================================================================
 # Ranks as threads: a fake torch.distributed that logs every transfer
@@ -396,21 +396,6 @@ def raise_rank_error(errors: list, world: ThreadWorld, hint: str, reveal: str | 
             text = str(exc).strip().splitlines()
             raise Wrong(f"{where}rank {r} raised {type(exc).__name__}: {text[-1] if text else ''}{_your_line(exc)}. "
                         f"Hint: {hint}", reveal=reveal)
-
-
-def _once(learner: Learner, key: str, compute: Callable[[], Any]):
-    """``compute()`` once per check call (one `Learner`); later cases reuse its facts or its failure.
-    A re-run of the check runs the learner's code again."""
-    memo = learner.__dict__.setdefault("_lesson_facts", {})
-    if key not in memo:
-        try:
-            memo[key] = ("ok", compute())
-        except Wrong as exc:
-            memo[key] = ("wrong", exc)
-    kind, value = memo[key]
-    if kind == "wrong":
-        raise Wrong(str(value), reveal=value.reveal)
-    return value
 
 
 def _unwaited(entries: list[dict]) -> list[dict]:

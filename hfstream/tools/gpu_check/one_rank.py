@@ -193,6 +193,17 @@ def _no_sync_error(step, cuda: bool) -> str | None:
     return None
 
 
+def _host_sync_checks(mode: str, model, sync, opt, size: dict, dev, checks: Checks, numbers: dict) -> None:
+    """No host sync in a whole step under ``set_sync_debug_mode("error")``, and the host a step ahead of a device sleep."""
+    x, y = _data(999, size, dev)
+    error = _no_sync_error(lambda: _step(model, sync, opt, x, y), True)
+    numbers[f"{mode}_sync_error"] = error
+    checks.add(f"{mode}: no host sync in the whole step under set_sync_debug_mode('error')", error is None, error or "")
+    ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, numbers.setdefault("sleep_ms", 200.0))
+    numbers[f"{mode}_host_ahead"] = ahead
+    checks.add(f"{mode}: the host got through a whole step while the device still slept", ahead)
+
+
 def _report_vs_profiler(model, sync, opt, size: dict, dev, seed: int, op: str, cuda: bool) -> tuple[float, float]:
     """Per step over ``size["profiled"]`` steps: the profiler's device ms of ``op``, the report's comm busy."""
     busy = []
@@ -247,14 +258,7 @@ def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
     checks.add("overlap: buckets launched from the hooks in backward", stats.launched_in_backward >= 1,
                f"{stats.launched_in_backward} of {stats.num_collectives}")
     if cuda:
-        x, y = _data(999, size, dev)
-        error = _no_sync_error(lambda: _step(model, sync, opt, x, y), cuda)
-        numbers["overlap_sync_error"] = error
-        checks.add("overlap: no host sync in the whole step under set_sync_debug_mode('error')", error is None, error or "")
-        numbers["sleep_ms"] = 200.0
-        ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, numbers["sleep_ms"])
-        numbers["overlap_host_ahead"] = ahead
-        checks.add("overlap: the host got through a whole step while the device still slept", ahead)
+        _host_sync_checks("overlap", model, sync, opt, size, dev, checks, numbers)
         numbers["profile_steps"] = size["profiled"]
         per_step, report = _report_vs_profiler(model, sync, opt, size, dev, 2000, "all_reduce", cuda)
         numbers.update(profiler_ar_ms=per_step, report_ar_ms=report)
@@ -296,13 +300,7 @@ def _sharded(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
                f"{len(stats.bucket_spans)} spans, {stats.num_collectives} reduce-scatters, "
                f"{stats.num_all_gathers} all-gathers, {len(sync.buckets)} buckets")
     if cuda:
-        x, y = _data(999, size, dev)
-        error = _no_sync_error(lambda: _step(model, sync, opt, x, y), cuda)
-        numbers["sharded_sync_error"] = error
-        checks.add("sharded: no host sync in the whole step under set_sync_debug_mode('error')", error is None, error or "")
-        ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, numbers.get("sleep_ms", 200.0))
-        numbers["sharded_host_ahead"] = ahead
-        checks.add("sharded: the host got through a whole step while the device still slept", ahead)
+        _host_sync_checks("sharded", model, sync, opt, size, dev, checks, numbers)
         per_step, report = _report_vs_profiler(model, sync, opt, size, dev, 3000, "reduce_scatter", cuda)
         numbers.update(profiler_rs_ms=per_step, report_rs_ms=report)
         close = abs(report - per_step) <= max(PROFILE_TOLERANCE * per_step, PROFILE_FLOOR_MS)

@@ -100,22 +100,20 @@ def predict_buckets(shape: ModelShape, grad_bytes: int, bucket_mb: float,
             out.append((b, done / total))
             cap = bucket_mb * MiB
         return out
+    return _cut(_readiness(shape, grad_bytes), bucket_mb, first_bucket_mb)
+
+
+def _readiness(shape: ModelShape, grad_bytes: int) -> list[tuple[float, float]]:
+    """``(bytes, ready)`` per tensor in backward order: ready as backward does its FLOPs."""
     flop_total = sum(n for _, n, kind in shape.tensors if kind != "lookup") or 1
     # A tied embedding's FLOPs (the output projection) are spent at the very start of backward.
     flops_done = sum(n for _, n, kind in shape.tensors if kind == "tied")
-    out: list[tuple[float, float]] = []
-    cap, size = first * MiB, 0.0
+    order = []
     for _, n, kind in reversed(shape.tensors):
         if kind == "dense":
             flops_done += n
-        ready = 1.0 if kind == "tied" else flops_done / flop_total
-        size += n * grad_bytes
-        if size >= cap:             # DDP's rule: close once the cap is reached
-            out.append((size, ready))
-            size, cap = 0.0, bucket_mb * MiB
-    if size:
-        out.append((size, ready))
-    return out
+        order.append((n * grad_bytes, 1.0 if kind == "tied" else flops_done / flop_total))
+    return order
 
 
 def _with_last_bucket(shape: ModelShape, grad_bytes: int, bucket_mb: float, first_bucket_mb: float | None,
@@ -136,14 +134,7 @@ def _with_last_bucket(shape: ModelShape, grad_bytes: int, bucket_mb: float, firs
             done += b
             out.append((b, start + (1.0 - start) * done / tail_bytes))
         return out if total else whole
-    # Each tensor's readiness in backward order, as predict_buckets computes it.
-    flop_total = sum(n for _, n, kind in shape.tensors if kind != "lookup") or 1
-    flops_done = sum(n for _, n, kind in shape.tensors if kind == "tied")
-    order = []
-    for _, n, kind in reversed(shape.tensors):
-        if kind == "dense":
-            flops_done += n
-        order.append((n * grad_bytes, 1.0 if kind == "tied" else flops_done / flop_total))
+    order = _readiness(shape, grad_bytes)
     size, taken = 0.0, 0
     for nbytes, _ in reversed(order):   # from the end of backward, at most one bucket's worth
         if taken and size + nbytes > cap:
@@ -154,7 +145,8 @@ def _with_last_bucket(shape: ModelShape, grad_bytes: int, bucket_mb: float, firs
 
 
 def _cut(tensors: list[tuple[float, float]], bucket_mb: float, first_bucket_mb: float | None) -> list[tuple[float, float]]:
-    """DDP's rule over ``(bytes, ready)`` in backward order: a bucket closes once it reaches its cap."""
+    """DDP's rule over ``(bytes, ready)`` in backward order: a bucket closes once it reaches its cap
+    (the first bucket's cap is ``first_bucket_mb``; None = ``bucket_mb``)."""
     out, size, ready = [], 0.0, 0.0
     cap = (bucket_mb if first_bucket_mb is None else first_bucket_mb) * MiB
     for nbytes, ready in tensors:
