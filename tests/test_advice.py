@@ -166,3 +166,11 @@ def test_run_at_its_ceiling_trainer_run_gets_no_advice_worth_ten_percent(tmp_pat
     report = trainer.stream_report()
     step = report["mean"]["step_ms"]
     assert all(a["predicted_step_ms"] > 0.9 * step for a in report["advice"]), report["advice"]
+
+
+def test_bench_advice_refuses_an_unknown_scenario_by_name(capsys):
+    from hfstream.tools.bench.advice import main
+
+    with pytest.raises(SystemExit):
+        main(["--scenarios", "data,network"])
+    assert "--scenarios: unknown network; accepted: data, comm, ceiling" in capsys.readouterr().err
