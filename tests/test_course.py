@@ -21,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LESSONS = lessons()
 # The longest notebook runs (each 15-35 s on 2 cores; measured 2026-12-02) run under `make test-slow`,
 # so `make test` stays under 20 minutes: the untouched notebooks whose measurements and Trainer
-# runs take most of their time, and lesson 06's solution. Every other lesson runs in both.
+# runs take most of their time, and the solutions of lessons 05-07 (their checks run in
+# tests/test_course_lesson05.py .. 07.py). Every other lesson runs in both.
 SLOW_UNTOUCHED = {"05", "06", "08", "09", "10"}
-SLOW_SOLUTION = {"06"}
+SLOW_SOLUTION = {"05", "06", "07"}
 
 
 def _lessons(slow: set[str]) -> list:
