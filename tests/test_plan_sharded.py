@@ -23,14 +23,16 @@ def test_sharded_schedule_by_hand(capsys):
     r = P.predict_row(P.shape_from_params(params), cfg, 2)
     assert (r["forward_ms"], r["backward_ms"], r["optimizer_ms"]) == pytest.approx((50.0, 100.0, 10.0))
     assert r["reduce_scatter_busy_ms"] == r["all_gather_busy_ms"] == pytest.approx(80.0)
-    # Gathers after the step, forward order (the bucket backward made last comes first): the first
-    # completes at 40 ms, forward computes its half (25 ms) to 65; the second completes at 80,
-    # forward finishes at 105: 55 ms exposed.
-    assert r["all_gather_exposed_ms"] == pytest.approx(55.0)
-    # Backward 105-205; the reduce-scatters are ready at 155 and 205 and end at 195 and 245.
+    # The step goes bucket by bucket in forward order (the bucket backward made last comes first),
+    # 2.5 ms each, and launches each gather once its bucket is stepped: the first completes at
+    # 2.5 + 40 = 42.5 ms, the second at 82.5. The forward starts at 5, waits for the first to 42.5,
+    # computes its half (25 ms) to 67.5, waits for the second to 82.5 and finishes at 107.5:
+    # 52.5 ms exposed.
+    assert r["all_gather_exposed_ms"] == pytest.approx(52.5)
+    # Backward 107.5-207.5; the reduce-scatters are ready at 157.5 and 207.5 and end at 197.5 and 247.5.
     assert r["reduce_scatter_exposed_ms"] == pytest.approx(40.0)
     assert r["optimizer_sharded_ms"] == pytest.approx(5.0)
-    assert r["step_sharded_ms"] == pytest.approx(50 + 55 + 100 + 40 + 5)
+    assert r["step_sharded_ms"] == pytest.approx(50 + 52.5 + 100 + 40 + 5)
     assert r["cross_step_limit_ms"] == pytest.approx(max(50 + 100 + 5, 160))
     # Overlap: 50 + 100 + 110 exposed (the by-hand case of test_plan) + 10 = 270 ms.
     assert r["step_overlap_ms"] == pytest.approx(270.0) and r["sharded_beats_overlap"]
@@ -113,3 +115,55 @@ def test_compare_predicts_a_sharded_run_and_leaves_fsdp2_out():
     assert comp["modes"]["sharded"]["predicted"]["exposed_comm_ms"] == pytest.approx(
         p["reduce_scatter_exposed_ms"] + p["all_gather_exposed_ms"])
     assert not math.isnan(comp["max_abs_rel_error"]["step_ms"])
+
+
+def test_a_step_as_long_as_the_gathers_hides_all_but_the_first():
+    # Four buckets of 1 MiB (1-byte gradients), 40 ms per half at N = 2; the optimizer step on half
+    # the parameters takes 80 ms, 20 per bucket. Each gather is launched as its bucket is stepped:
+    # they end at 60, 100, 140 and 180 ms. The forward (100 ms, 25 per bucket) starts at 80: its
+    # first bucket is there (to 105), the second too (to 130); it waits
+    # for the third to 140 (to 165) and the fourth to 180: it ends at 205, 25 ms exposed.
+    params, tokens = 4 * MiB, 1000
+    cfg = P.PlanConfig(grad_bytes=1, bucket_mb=1.0, link_gbs=MiB / 0.080 / 1e9, latency_us=0.0,
+                       tokens_per_device=tokens, compute_tflops=6 * params * tokens / 0.300 / 1e12,
+                       optimizer_bytes_per_param=1.0, mem_bandwidth_gbs=params / 0.160 / 1e9, world_sizes=(2,),
+                       sharded_last_bucket_mb=None)
+    r = P.predict_row(P.shape_from_params(params), cfg, 2)
+    assert (r["forward_ms"], r["optimizer_sharded_ms"]) == pytest.approx((100.0, 80.0))
+    assert r["all_gather_exposed_ms"] == pytest.approx(25.0)
+    # Gathers launched only after a one-call step would end at 40, 80, 120, 160 ms of the forward:
+    # 85 ms exposed. The pipelined step hides 60 of them.
+    assert r["step_sharded_ms"] == pytest.approx(100 + 25 + 200 + r["reduce_scatter_exposed_ms"] + 80)
+
+
+def test_compare_calibrates_forward_and_backward_each_and_the_host_cost_of_comm():
+    bench = _bench_doc()
+    for m in bench["modes"].values():
+        m["forward_ms"] = 15.0                                    # forward 0.75x backward, as on this CPU
+    bench["modes"]["serial"]["comm_threads_cpu_ms"] = 6.0
+    bench["modes"]["sharded"] = {**bench["modes"]["overlap"], "kind": "sharded", "bucket_mb": 1.0}
+    bench.update(machine={"nproc": 2}, threads_per_rank=1)      # 2 ranks x 1 thread hold both cores
+    pred = P.predict_bench(bench)
+    assert pred["calibration"]["forward_share"] == pytest.approx(15 / 35)
+    for p in pred["modes"].values():
+        assert (p["forward_ms"], p["backward_ms"]) == pytest.approx((15.0, 20.0))
+        # The all-reduce sends what serial's sent: its threads' CPU; a reduce-scatter half of it.
+        assert p["backward_overlap_ms"] == pytest.approx(26.0)
+        assert p["backward_sharded_ms"] == pytest.approx(23.0)
+    comp = P.compare_with_measurement(pred, bench)
+    assert comp["modes"]["serial"]["predicted"]["backward_ms"] == pytest.approx(20.0)
+    assert comp["modes"]["overlap"]["predicted"]["backward_ms"] == pytest.approx(26.0)
+    assert comp["modes"]["sharded"]["predicted"]["backward_ms"] == pytest.approx(23.0)
+    # With a spare core the threads take nothing from compute; the FLOP-split calibrations keep 1/3.
+    bench["machine"]["nproc"] = 16
+    spare = P.predict_bench(bench)
+    assert spare["modes"]["overlap"]["backward_overlap_ms"] == pytest.approx(20.0)
+    assert P.predict_bench(bench, calibrate_from="compute")["modes"]["serial"]["forward_ms"] == pytest.approx(35 / 3)
+    assert P.predict_bench(bench, calibrate_from="backward")["modes"]["serial"]["forward_ms"] == pytest.approx(10.0)
+    with pytest.raises(ValueError, match="calibrate_from='flops'.*parts, backward, compute"):
+        P.predict_bench(bench, calibrate_from="flops")
+    for bad in (0, 1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="forward_share"):
+            P.PlanConfig(forward_share=bad)
+    with pytest.raises(ValueError, match="comm_host_ms_per_mib"):
+        P.PlanConfig(comm_host_ms_per_mib=-1)

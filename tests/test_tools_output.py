@@ -4,6 +4,7 @@ spoilt the figures, a soak that ends with a verdict, a loss figure for a short r
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 import pytest
@@ -220,3 +221,15 @@ def test_overlap_lost_names_the_mode_and_blames_torch_compile_only_when_somethin
     assert "torch.compile" not in eager and "nothing is compiled" in eager
     compiled = _lost_note("overlap", monkeypatch, compiled=True)
     assert compiled.startswith("GradSync(mode='overlap')") and "torch.compile" in compiled
+
+
+def test_plan_compare_fits_100_columns(tmp_path, capsys):
+    from test_plan import _bench_doc
+    doc = _bench_doc()
+    doc["modes"]["sharded-best"] = {**doc["modes"]["overlap"], "kind": "sharded", "bucket_mb": 1.0}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(doc))
+    plan_main(["--compare", str(path)])
+    out = capsys.readouterr().out
+    assert "sharded-best" in out and "per MiB sent" in out, out
+    assert max(len(line) for line in out.splitlines()) <= WIDTH, out

@@ -19,7 +19,7 @@ from typing import Sequence
 
 from ..plot import plot_plan
 from . import predict as _predict
-from .compare import compare_with_measurement, format_comparison, predict_bench
+from .compare import CALIBRATIONS, compare_with_measurement, format_comparison, predict_bench
 from .predict import (DDP_FIRST_BUCKET_MB, DEFAULT_WORLD_SIZES, PlanConfig, calibrated_mem_bandwidth_gbs,
                       calibrated_tflops, plan)
 from .shapes import PRESETS, ModelShape, load_model, shape_from_params
@@ -102,9 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate-compute-ms", type=_number(float, 0, False, "a time in ms"), default=None,
                         help="a measured forward + backward time: sets the achieved FLOP/s "
                              "(not with --calibrate-backward-ms)")
-    parser.add_argument("--calibrate-from", choices=("backward", "compute"), default="backward",
-                        help="with --compare: calibrate FLOP/s from the serial run's backward (default) "
-                             "or its forward + backward")
+    parser.add_argument("--calibrate-from", choices=CALIBRATIONS, default="parts",
+                        help="with --compare: calibrate forward and backward each from the serial run's own "
+                             "(parts, the default), or the FLOP/s from its backward or its forward + backward "
+                             "with FLOPs split 1/3 : 2/3")
     parser.add_argument("--calibrate-optimizer-ms", type=_number(float, 0, False, "a time in ms"), default=None,
                         help="a measured optimizer step: sets the memory bandwidth instead of --mem-bandwidth-gbs")
     parser.add_argument("--grad-bytes", type=_number(int, 1, True, "an integer >= 1"), default=d.grad_bytes,

@@ -4,7 +4,8 @@ It predicts the quantities `hfstream.timeline` and `hfstream.tools.bench.run` me
 4) for a data-parallel step in which every device keeps its tokens per step (weak scaling):
 
     forward, backward   C = 6 P T FLOPs per device and step (+ 12 L d_attn s T with --seq-len),
-                        forward C/3, backward 2C/3, at R = peak FLOP/s x MFU
+                        forward C/3, backward 2C/3 (or a measured split: forward_share),
+                        at R = peak FLOP/s x MFU
                         (Kaplan et al. 2020, "Scaling Laws for Neural Language Models",
                         arXiv:2001.08361, section 2.1: 2N FLOPs per token forward, twice that
                         backward; attention term and MFU: Chowdhery et al. 2022, "PaLM",
@@ -26,20 +27,25 @@ It predicts the quantities `hfstream.timeline` and `hfstream.tools.bench.run` me
     ceiling             forward + max(backward, comm busy) + optimizer
 
     sharded             grad_sync="sharded" (docs/design.md section 7): each bucket is reduce-
-                        scattered in backward and its updated slice all-gathered after the step;
+                        scattered in backward and its updated slice all-gathered during the step;
                         each half carries (N-1)/N x b / B + (N-1) x alpha, the ring's halves.
                         The reduce-scatters follow the overlap schedule; the optimizer steps 1/N
-                        of the parameters (optimizer / N); the all-gathers start after it, one at
-                        a time in forward order, and the next forward waits for a bucket only
-                        when it reaches its parameters (forward does its FLOPs in registration
-                        order); a reduce-scatter waits for the link after the last all-gather.
+                        of the parameters (optimizer / N) bucket by bucket in forward order, and
+                        each bucket's all-gather starts as it is stepped (the engine's pipelined
+                        step), one at a time on the link; the next forward waits for a bucket
+                        only when it reaches its parameters (forward does its FLOPs in
+                        registration order); a reduce-scatter waits for the link after the last
+                        all-gather
+    host contention     comm_host_ms_per_mib x MiB sent in backward, added to backward (CPU
+                        training, where the collectives' threads share the compute's cores;
+                        0 by default: NCCL on a GPU runs them on the device)
     cross-step limit    max(forward + backward + optimizer / N, comm busy)
 
 P is the number of trainable parameters (tied ones once; in C, without embedding tables that
 are only indexed, which cost no FLOPs), T the tokens per device per step,
 N the world size, B the link bandwidth per device, alpha the latency of one ring step. The
-model is one flat ring at one bandwidth: no intra-node fast path, no contention, no
-hierarchical all-reduce.
+model is one flat ring at one bandwidth: no intra-node fast path, no contention on the link
+(the host contention above aside), no hierarchical all-reduce.
 """
 
 from __future__ import annotations
@@ -177,6 +183,14 @@ class PlanConfig:
     """Model-FLOPs utilisation: the share of the peak the model achieves."""
     compute_tflops: float | None = None
     """Achieved FLOP/s in TFLOP/s, replacing peak x MFU (e.g. calibrated from a measured backward)."""
+    forward_share: float = 1 / 3
+    """The share of forward + backward's time spent in forward: 1/3 by FLOPs (2N forward, 4N
+    backward per token); a measured forward / (forward + backward) replaces it (`predict_bench`)."""
+    comm_host_ms_per_mib: float = 0.0
+    """Host CPU time communication takes per MiB a device sends, taken from the backward it
+    overlaps: CPU training, where gloo's threads share the cores that compute (`predict_bench`
+    calibrates it from the serial run's communication threads); 0 = communication off the
+    compute cores (NCCL on a GPU)."""
     grad_bytes: int = 4
     """Bytes per gradient element on the wire (4 = fp32, the default of DDP and the Trainer; 2 = bf16)."""
     link_gbs: float = 25.0
@@ -209,6 +223,9 @@ class PlanConfig:
         check("peak_tflops", pos(self.peak_tflops), "a number > 0")
         check("mfu", pos(self.mfu) and self.mfu <= 1, "a number in (0, 1]")
         check("compute_tflops", self.compute_tflops is None or pos(self.compute_tflops), "None or a number > 0")
+        check("forward_share", pos(self.forward_share) and self.forward_share < 1, "a fraction in (0, 1)")
+        check("comm_host_ms_per_mib", isinstance(self.comm_host_ms_per_mib, (int, float))
+              and math.isfinite(self.comm_host_ms_per_mib) and self.comm_host_ms_per_mib >= 0, "a time >= 0 in ms")
         check("grad_bytes", pos(self.grad_bytes), "a number of bytes > 0 (4 = fp32, 2 = bf16)")
         check("link_gbs", pos(self.link_gbs), "a bandwidth > 0 in GB/s")
         check("latency_us", isinstance(self.latency_us, (int, float)) and math.isfinite(self.latency_us)
@@ -254,12 +271,12 @@ def calibrated_tflops(shape: ModelShape, cfg: PlanConfig, measured_ms: float, pa
     """The achieved TFLOP/s that makes the predicted ``part`` take ``measured_ms``.
 
     Args:
-        part: ``"backward"`` (2/3 of the step's FLOPs: the window that hides communication) or
-            ``"compute"`` (forward + backward, all of them).
+        part: ``"backward"`` (``1 - cfg.forward_share`` of the step's FLOPs: the window that hides
+            communication) or ``"compute"`` (forward + backward, all of them).
     """
     if not measured_ms > 0:
         raise ValueError(f"measured_ms={measured_ms!r} is not valid; expected a time > 0")
-    share = {"backward": 2 / 3, "compute": 1.0}.get(part)
+    share = {"backward": 1 - cfg.forward_share, "compute": 1.0}.get(part)
     if share is None:
         raise ValueError(f"part={part!r} is not valid; expected 'backward' or 'compute'")
     return step_flops(shape, cfg) * share / (measured_ms / 1e3) / 1e12
@@ -282,21 +299,26 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     if buckets is None:
         buckets = predict_buckets(shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb)
     flops = step_flops(shape, cfg)
-    fwd = flops / 3 / cfg.compute_flops * 1e3
-    bwd = flops * 2 / 3 / cfg.compute_flops * 1e3
+    fwd = flops * cfg.forward_share / cfg.compute_flops * 1e3
+    bwd = flops * (1 - cfg.forward_share) / cfg.compute_flops * 1e3
     opt = shape.params * cfg.optimizer_bytes_per_param / (cfg.mem_bandwidth_gbs * 1e9) * 1e3
     times = [allreduce_s(b, world_size, cfg.link_gbs, cfg.latency_us) * 1e3 for b, _ in buckets]
     busy = sum(times)
     sharded_buckets = buckets if cfg.sharded_last_bucket_mb is None else predict_buckets(
         shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb, cfg.sharded_last_bucket_mb)
-    sharded = predict_sharded(sharded_buckets, world_size, cfg, fwd, bwd, opt)
-    exposed_overlap = overlap_exposed(times, [ready for _, ready in buckets], bwd) if world_size > 1 else 0.0
+    # What the reductions launched in backward take from it on the host (0 off the compute cores).
+    sent_mib = shape.params * cfg.grad_bytes / MiB * (world_size - 1) / world_size
+    bwd_overlap = bwd + cfg.comm_host_ms_per_mib * 2 * sent_mib
+    bwd_sharded = bwd + cfg.comm_host_ms_per_mib * sent_mib
+    sharded = predict_sharded(sharded_buckets, world_size, cfg, fwd, bwd_sharded, opt)
+    exposed_overlap = overlap_exposed(times, [ready for _, ready in buckets], bwd_overlap) if world_size > 1 else 0.0
     ideal = fwd + max(bwd, busy) + opt
-    step_serial, step_overlap = fwd + bwd + busy + opt, fwd + bwd + exposed_overlap + opt
+    step_serial, step_overlap = fwd + bwd + busy + opt, fwd + bwd_overlap + exposed_overlap + opt
     single = fwd + bwd + opt
     return {
         "world_size": world_size, "ring_factor": ring_factor(world_size),
-        "forward_ms": fwd, "backward_ms": bwd, "optimizer_ms": opt,
+        "forward_ms": fwd, "backward_ms": bwd, "backward_overlap_ms": bwd_overlap,
+        "backward_sharded_ms": bwd_sharded, "optimizer_ms": opt,
         "comm_busy_ms": busy, "last_bucket_ms": times[-1] if times else 0.0,
         "exposed_serial_ms": busy, "exposed_overlap_ms": exposed_overlap,
         "step_serial_ms": step_serial, "step_overlap_ms": step_overlap, "ideal_ms": ideal,
@@ -339,7 +361,7 @@ def overlap_limit(shape: ModelShape, cfg: PlanConfig, buckets: list[tuple[float,
     """
     if buckets is None:
         buckets = predict_buckets(shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb)
-    bwd = step_flops(shape, cfg) * 2 / 3 / cfg.compute_flops
+    bwd = step_flops(shape, cfg) * (1 - cfg.forward_share) / cfg.compute_flops
     total = sum(b for b, _ in buckets)
 
     def busy(n):
@@ -379,7 +401,8 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
         "sharded_beats_overlap_at": wins,
         "rows": rows,
         "formulas": {
-            "compute": "forward = C/3, backward = 2C/3, C = 6 P T (+ 12 L d_attn s T) at peak x MFU "
+            "compute": "forward = forward_share x C, backward = the rest (forward_share = 1/3 by FLOPs), "
+                       "C = 6 P T (+ 12 L d_attn s T) at peak x MFU "
                        "(Kaplan et al. 2020 sec. 2.1; Chowdhery et al. 2022 app. B)",
             "optimizer": "P x optimizer_bytes_per_param / memory bandwidth",
             "comm_per_bucket": "2(N-1)/N x bytes / link bandwidth + 2(N-1) x latency (ring all-reduce; "
@@ -388,7 +411,8 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
                                "does its FLOPs in reverse registration order, one reduction at a time",
             "ideal": "forward + max(backward, comm busy) + optimizer (docs/design.md section 4)",
             "sharded": "reduce-scatter and all-gather (N-1)/N x bytes / link bandwidth + (N-1) x latency each; "
-                       "reduce-scatters as overlap, optimizer / N, all-gathers after the step waited for by the "
+                       "reduce-scatters as overlap, optimizer / N bucket by bucket in forward order, each bucket's "
+                       "all-gather launched as it is stepped and waited for by the "
                        "next forward as it reaches each bucket (docs/design.md section 7)",
             "cross_step_limit": "max(forward + backward + optimizer / N, comm busy)",
         },
