@@ -150,10 +150,14 @@ def test_compare_calibrates_forward_and_backward_each_and_the_host_cost_of_comm(
         # The all-reduce sends what serial's sent: its threads' CPU; a reduce-scatter half of it.
         assert p["backward_overlap_ms"] == pytest.approx(26.0)
         assert p["backward_sharded_ms"] == pytest.approx(23.0)
+        assert p["forward_sharded_ms"] == pytest.approx(18.0)   # the all-gathers overlap the forward
+        # Contention is a cost, not a new limit: the limit is the undisturbed compute's.
+        assert p["cross_step_limit_ms"] == pytest.approx(max(15 + 20 + p["optimizer_sharded_ms"], p["comm_busy_ms"]))
     comp = P.compare_with_measurement(pred, bench)
     assert comp["modes"]["serial"]["predicted"]["backward_ms"] == pytest.approx(20.0)
     assert comp["modes"]["overlap"]["predicted"]["backward_ms"] == pytest.approx(26.0)
     assert comp["modes"]["sharded"]["predicted"]["backward_ms"] == pytest.approx(23.0)
+    assert comp["modes"]["sharded"]["predicted"]["forward_ms"] == pytest.approx(18.0)
     # With a spare core the threads take nothing from compute; the FLOP-split calibrations keep 1/3.
     bench["machine"]["nproc"] = 16
     spare = P.predict_bench(bench)

@@ -273,6 +273,11 @@ class _Session:
                 **halves,
             })
 
+    def settle(self) -> None:
+        """Wait for what this session's last step left in flight (sharded: its all-gathers)."""
+        if self.carries_over:
+            self.sync.wait_for_params()
+
     def result(self) -> dict:
         tuned = self.sync.bucket_mb if self.sync is not None and self.bucket_mb == "auto" else self.bucket_mb
         tuning = getattr(self.sync, "tuning_result", None)
@@ -296,7 +301,8 @@ def _run_interleaved(sessions: list[_Session], cfg: BenchConfig, batches: list, 
     Interleaving spreads slow phases of a shared machine (another job, frequency changes) over
     all modes instead of charging them to whichever mode ran at that moment. A session whose
     communication crosses the step boundary (sharded: the all-gathers) takes one untimed step
-    at the start of each round, so no timed step finds its gathers done during other modes' steps.
+    at the start of each round, so no timed step finds its gathers done during other modes' steps,
+    and waits for them at the end of its turn, so they do not run during the next mode's steps.
     """
     import torch.distributed as dist
 
@@ -325,6 +331,7 @@ def _run_interleaved(sessions: list[_Session], cfg: BenchConfig, batches: list, 
             for i in range(n):
                 s.step(batches[s.steps % len(batches)], keep=True)
                 progress.step(s.label, len(s.records), cfg.steps, f"round {r + 1}/{rounds}")
+            s.settle()   # nothing of its own left on the link or the cores for the next mode's steps
 
 
 def rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict:

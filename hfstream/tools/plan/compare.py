@@ -135,7 +135,8 @@ def compare_with_measurement(pred: dict, measured: dict, tolerance: float = 0.25
         if kind == "sharded":
             predicted.update(exposed_comm_ms=p["reduce_scatter_exposed_ms"] + p["all_gather_exposed_ms"],
                              comm_busy_ms=p["reduce_scatter_busy_ms"] + p["all_gather_busy_ms"],
-                             step_ms=p["step_sharded_ms"], backward_ms=p["backward_sharded_ms"])
+                             step_ms=p["step_sharded_ms"], forward_ms=p["forward_sharded_ms"],
+                             backward_ms=p["backward_sharded_ms"])
         meas = {k: m.get(k) for k in predicted}
         out["modes"][name] = {"predicted": predicted, "measured": meas,
                               "rel_error": {k: _rel(predicted[k], meas[k]) for k in predicted}}

@@ -36,9 +36,11 @@ It predicts the quantities `hfstream.timeline` and `hfstream.tools.bench.run` me
                         only when it reaches its parameters (forward does its FLOPs in
                         registration order); a reduce-scatter waits for the link after the last
                         all-gather
-    host contention     comm_host_ms_per_mib x MiB sent in backward, added to backward (CPU
-                        training, where the collectives' threads share the compute's cores;
-                        0 by default: NCCL on a GPU runs them on the device)
+    host contention     comm_host_ms_per_mib x MiB sent, added to the compute the collectives
+                        overlap: overlap's all-reduces to backward, sharded's reduce-scatters
+                        to backward and its all-gathers to forward (CPU training, where the
+                        collectives' threads share the compute's cores; 0 by default: NCCL on
+                        a GPU runs them on the device)
     cross-step limit    max(forward + backward + optimizer / N, comm busy)
 
 P is the number of trainable parameters (tied ones once; in C, without embedding tables that
@@ -58,6 +60,7 @@ from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.gradsync.buckets import MiB
 from hfstream.gradsync.sharded import ShardedReduction
 from hfstream.schedule import overlap_exposed, sharded_step
+from hfstream.timeline import cross_step_limit
 
 from .shapes import ModelShape
 
@@ -306,11 +309,17 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     busy = sum(times)
     sharded_buckets = buckets if cfg.sharded_last_bucket_mb is None else predict_buckets(
         shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb, cfg.sharded_last_bucket_mb)
-    # What the reductions launched in backward take from it on the host (0 off the compute cores).
-    sent_mib = shape.params * cfg.grad_bytes / MiB * (world_size - 1) / world_size
-    bwd_overlap = bwd + cfg.comm_host_ms_per_mib * 2 * sent_mib
-    bwd_sharded = bwd + cfg.comm_host_ms_per_mib * sent_mib
-    sharded = predict_sharded(sharded_buckets, world_size, cfg, fwd, bwd_sharded, opt)
+    # What the collectives take on the host from the compute they overlap (0 off the compute
+    # cores): overlap's all-reduces from backward; sharded's reduce-scatters from backward, its
+    # all-gathers (each half the all-reduce's bytes) from the optimizer step and the forward.
+    half_mib = shape.params * cfg.grad_bytes / MiB * (world_size - 1) / world_size
+    bwd_overlap = bwd + cfg.comm_host_ms_per_mib * 2 * half_mib
+    bwd_sharded = bwd + cfg.comm_host_ms_per_mib * half_mib
+    fwd_sharded = fwd + cfg.comm_host_ms_per_mib * half_mib
+    sharded = predict_sharded(sharded_buckets, world_size, cfg, fwd_sharded, bwd_sharded, opt)
+    # The limit is the undisturbed compute's, as in the report and the bench (contention is a cost).
+    sharded["cross_step_limit_ms"] = cross_step_limit(fwd, bwd, sharded["optimizer_sharded_ms"],
+                                                      2 * sharded["reduce_scatter_busy_ms"])
     exposed_overlap = overlap_exposed(times, [ready for _, ready in buckets], bwd_overlap) if world_size > 1 else 0.0
     ideal = fwd + max(bwd, busy) + opt
     step_serial, step_overlap = fwd + bwd + busy + opt, fwd + bwd_overlap + exposed_overlap + opt
@@ -318,7 +327,7 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     return {
         "world_size": world_size, "ring_factor": ring_factor(world_size),
         "forward_ms": fwd, "backward_ms": bwd, "backward_overlap_ms": bwd_overlap,
-        "backward_sharded_ms": bwd_sharded, "optimizer_ms": opt,
+        "forward_sharded_ms": fwd_sharded, "backward_sharded_ms": bwd_sharded, "optimizer_ms": opt,
         "comm_busy_ms": busy, "last_bucket_ms": times[-1] if times else 0.0,
         "exposed_serial_ms": busy, "exposed_overlap_ms": exposed_overlap,
         "step_serial_ms": step_serial, "step_overlap_ms": step_overlap, "ideal_ms": ideal,
