@@ -395,7 +395,8 @@ def behaviour_suite(rank, world_size):
     opt.step()
     out["pending_after_step"] = sorted(sync.params_pending)
     out["num_buckets"] = len(sync.buckets)
-    out["stale_before_forward"] = all(torch.equal(v, before[k]) for k, v in _state_no_wait(model).items())
+    # Not read here: the parameters are views of the gathered buffers, so a gather that has landed
+    # has already written them; only the forward's wait makes them current for certain.
     seen = []
     handles = [layer.register_forward_pre_hook(lambda m, a, i=i: seen.append((i, len(sync.params_pending))))
                for i, layer in enumerate(model.layers)]   # registered after GradSync's: run once its wait is done
@@ -407,6 +408,7 @@ def behaviour_suite(rank, world_size):
     sync.wait_for_params()
     out["pending_after_wait"] = list(sync.params_pending)
     out["after_wait"] = _state(model)
+    out["moved_by_the_step"] = sorted(k for k, v in out["after_wait"].items() if not torch.equal(v, before[k]))
     # load_state_dict() between steps takes effect: the slices are taken from the loaded values, so
     # the next all-gather brings those back, not the slices from before.
     loaded = {k: v + 1.0 for k, v in _state(model).items()}
@@ -448,10 +450,6 @@ def behaviour_suite(rank, world_size):
     return to_bytes(out)
 
 
-def _state_no_wait(model):
-    return {n: p.detach().clone() for n, p in model.named_parameters()}   # named_parameters() does not wait
-
-
 @pytest.fixture(scope="module")
 def behaviour():
     return from_bytes(run_on_ranks(behaviour_suite, 2, timeout=120))
@@ -462,7 +460,8 @@ def test_next_forward_waits_for_each_layers_parameters_only_when_it_reaches_them
     for res in behaviour:
         n = res["num_buckets"]
         assert n == 10 and res["pending_after_step"] == list(range(n))
-        assert res["stale_before_forward"]   # the model holds the old values until the gathers are waited for
+        # Every layer's parameters came back stepped (`side` got no gradient: plain SGD leaves it).
+        assert res["moved_by_the_step"] == sorted(f"layers.{i}.{w}" for i in range(4) for w in ("weight", "bias"))
         # Layer i's two buckets (weight, bias) are waited for as layer i starts; the later layers' are not
         # yet. `side` never ran in the first forward, so the root waited for its two buckets at the start.
         assert res["pending_per_layer"] == [(0, 6), (1, 4), (2, 2), (3, 0)]

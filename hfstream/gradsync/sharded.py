@@ -167,8 +167,8 @@ class ShardedReduction(Reduction):
         if st.phase is Phase.GATHERING:   # a gradient of a value the forward read before its gather landed
             raise RuntimeError(
                 f"GradSync(mode='sharded'): parameter {st.plan.names[slot]!r} got a gradient, but the forward "
-                f"read it before its all-gather (bucket {st.plan.index}) was waited for, i.e. the value of the "
-                f"previous step. The forward waits in the pre-hook of the module that first read it in the first "
+                f"read it before its all-gather (bucket {st.plan.index}) was waited for, i.e. a value the gather may "
+                f"not have written yet (the previous step's, or part of this one's). The forward waits in the pre-hook of the module that first read it in the first "
                 f"step; code that reads it elsewhere first must call sync.wait_for_params() before")
 
     def prepare(self, st: BucketState) -> None:
