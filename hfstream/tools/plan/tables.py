@@ -105,7 +105,7 @@ def format_plan_table(doc: dict, wide: bool = False) -> str:
     if wins:
         gain = max(r["step_overlap_ms"] - r["step_sharded_ms"] for r in doc["rows"] if r["sharded_beats_overlap"])
         tail.append(f"grad_sync='sharded' beats overlap at N = {_ranges(wins, doc)} (by up to {_ms(gain)} ms per step): "
-                    f"the optimizer runs on 1/N of the parameters and the all-gather hides behind the next forward")
+                    f"the optimizer runs on 1/N of the parameters and the all-gathers hide behind the step and the next forward")
     else:
         tail.append("grad_sync='sharded' beats overlap at none of these world sizes")
 
