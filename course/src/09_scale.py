@@ -437,8 +437,9 @@ check("09.final_challenge")
 # ## The sweep, now that you have chosen
 #
 # The planner's prices for a range of caps (hfstream's, calibrated to the measured run the way
-# `hfstream plan --compare bench.json` calibrates to a benchmark: the FLOP/s that reproduce the
-# measured backward, the memory bandwidth that reproduces the optimizer step), next to yours, and
+# `hfstream plan --compare bench.json --calibrate-from backward` calibrates to a benchmark: the
+# FLOP/s that reproduce the measured backward, the memory bandwidth that reproduces the optimizer
+# step; a cap changes only what backward hides), next to yours, and
 # then the lab measured at several of them, interleaved on the same simulated link (15 steps each,
 # so a little noisier than the graded run).
 
