@@ -4,7 +4,9 @@ The limit, max(forward + backward + optimizer / N, comm busy), is taken from the
 (compute undisturbed, one all-reduce alone on the link; `summary`). A sharded step over it is
 split into what each part took beyond serial's (forward and backward: packing and the
 communication threads' share of the cores; the bucket-by-bucket step), the two halves' exposed
-waits, the data wait, and the rest (bookkeeping between the timeline's marks). On a comm-bound
+waits, the data wait, and the rest (bookkeeping between the timeline's marks, and the
+difference between the median step and the sum of its parts' medians: each field is the median
+over the timed steps on its own, so the rest moves by several ms between runs). On a comm-bound
 link the limit is comm busy, and a step at or under it has nothing over (the split then says
 how its compute compares).
 """
