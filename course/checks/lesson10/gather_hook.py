@@ -8,7 +8,7 @@ import torch
 
 from course.grading import Exercise, Wrong
 
-from .threads import _close, in_threads, raise_rank_error
+from .threads import _close, run_ranks
 
 
 # =============================================================================================
@@ -107,11 +107,7 @@ def _gather_rank(rank, world_size, world, cls):
 
 def _gather_facts(learner) -> dict:
     def compute():
-        cls = learner.ParamGather
-        results, errors, world = in_threads(functools.partial(_gather_rank, cls=cls), 2)
-        if any(errors):
-            raise_rank_error(errors, world, GATHER_HINT, GATHER_REVEAL)
-        return results
+        return run_ranks(functools.partial(_gather_rank, cls=learner.ParamGather), 2, GATHER_HINT, GATHER_REVEAL)
     return learner.once("10.gather_hook", compute)
 
 

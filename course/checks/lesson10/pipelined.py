@@ -11,7 +11,7 @@ import torch
 
 from course.grading import Exercise, Wrong
 
-from .threads import in_threads, raise_rank_error
+from .threads import in_threads, run_ranks
 
 # =============================================================================================
 # 10.pipelined_step
@@ -66,11 +66,7 @@ def _pipe_rank(rank, world_size, world, fn):
 
 def _pipe_facts(learner) -> list[dict]:
     def compute():
-        fn = learner.pipelined_step
-        results, errors, world = in_threads(functools.partial(_pipe_rank, fn=fn), 2)
-        if any(errors):
-            raise_rank_error(errors, world, PIPE_HINT, PIPE_REVEAL)
-        return results
+        return run_ranks(functools.partial(_pipe_rank, fn=learner.pipelined_step), 2, PIPE_HINT, PIPE_REVEAL)
     return learner.once("10.pipelined_step", compute)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub
 
-from .threads import REFUSED, _close, _unwaited, in_threads, raise_rank_error
+from .threads import REFUSED, _close, _unwaited, run_ranks
 
 
 # =============================================================================================
@@ -46,11 +46,8 @@ def _rs_facts(learner) -> dict:
     def compute():
         facts = {}
         for n in RS_WORLDS:
-            results, errors, world = in_threads(functools.partial(_rs_rank, fn=learner.reduce_scatter_mean), n,
-                                                refuse=RS_REFUSE)
-            if any(errors):
-                raise_rank_error(errors, world, RS_HINT, RS_REVEAL, where=f"{n} ranks: ")
-            facts[n] = results
+            facts[n] = run_ranks(functools.partial(_rs_rank, fn=learner.reduce_scatter_mean), n, RS_HINT, RS_REVEAL,
+                                 refuse=RS_REFUSE, where=f"{n} ranks: ")
         return facts
     return learner.once("10.reduce_scatter", compute)
 

@@ -9,7 +9,7 @@ import torch
 
 from course.grading import Exercise, Wrong
 
-from .threads import _close, in_threads, raise_rank_error
+from .threads import _close, run_ranks
 
 
 # =============================================================================================
@@ -69,10 +69,8 @@ def _step_facts(learner) -> dict:
     def compute():
         facts = {}
         for n in STEP_WORLDS:
-            results, errors, world = in_threads(functools.partial(_step_rank, fn=learner.sharded_sgd_step), n)
-            if any(errors):
-                raise_rank_error(errors, world, STEP_HINT, STEP_REVEAL, where=f"{n} ranks: ")
-            facts[n] = results
+            facts[n] = run_ranks(functools.partial(_step_rank, fn=learner.sharded_sgd_step), n, STEP_HINT, STEP_REVEAL,
+                                 where=f"{n} ranks: ")
         return facts
     return learner.once("10.sharded_step", compute)
 

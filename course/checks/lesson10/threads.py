@@ -398,6 +398,15 @@ def raise_rank_error(errors: list, world: ThreadWorld, hint: str, reveal: str | 
                         f"Hint: {hint}", reveal=reveal)
 
 
+def run_ranks(fn: Callable, world_size: int, hint: str, reveal: str | None = None,
+              refuse: dict[str, str] | None = None, where: str = "") -> list:
+    """`in_threads`, then `raise_rank_error` if a rank raised: every rank's result."""
+    results, errors, world = in_threads(fn, world_size, refuse)
+    if any(errors):
+        raise_rank_error(errors, world, hint, reveal, where=where)
+    return results
+
+
 def _unwaited(entries: list[dict]) -> list[dict]:
     waited = {e["op"] for e in entries if e["event"] == "wait"}
     return [e for e in entries if e["event"] == "launch" and e.get("async_op") and e["op"] not in waited
