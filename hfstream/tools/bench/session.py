@@ -361,8 +361,9 @@ def rank_main(rank: int, world_size: int, cfg_dict: dict, shaping: dict) -> dict
     if "fsdp2-best" in cfg.modes:
         sweep_runs += [("fsdp2", reshard, f"fsdp2@reshard={reshard}") for reshard in (True, False)]
     main_runs = [m for m in MODES if m in cfg.modes]
-    lead_ins = _rounds(cfg) * sum(kind == "sharded" for kind, _, _ in sweep_runs) \
-        + _rounds(cfg) * sum(m.startswith("sharded") for m in main_runs)
+    # One untimed lead-in per round for each session that carries work over (`_Session.carries_over`).
+    lead_ins = _rounds(cfg) * (sum(kind == "sharded" for kind, _, _ in sweep_runs)
+                               + sum(m in ("sharded", "sharded-best") for m in main_runs))
     total = (len(sweep_runs) + len(main_runs)) * (cfg.warmup + cfg.steps) + lead_ins
     progress = _Progress(total, enabled=rank == 0, tuning_sessions=sum(m in AUTO_MODES for m in main_runs))
 

@@ -23,9 +23,8 @@ from typing import Sequence
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.timeline import cross_step_limit
 
-from .over_limit import format_over_limit, over_limit
-
 from .config import MEMORY_TARGET, MODES, SHARDED_MODES, TARGETS, BenchConfig
+from .over_limit import format_over_limit, over_limit
 
 
 def _aggregate(per_rank_runs: list[dict]) -> dict:

@@ -190,8 +190,8 @@ class PlanConfig:
     """The share of forward + backward's time spent in forward: 1/3 by FLOPs (2N forward, 4N
     backward per token); a measured forward / (forward + backward) replaces it (`predict_bench`)."""
     comm_host_ms_per_mib: float = 0.0
-    """Host CPU time communication takes per MiB a device sends, taken from the backward it
-    overlaps: CPU training, where gloo's threads share the cores that compute (`predict_bench`
+    """Host CPU time communication takes per MiB a device sends, taken from the compute it
+    overlaps (backward; sharded's all-gathers: forward): CPU training, where gloo's threads share the cores that compute (`predict_bench`
     calibrates it from the serial run's communication threads); 0 = communication off the
     compute cores (NCCL on a GPU)."""
     grad_bytes: int = 4
