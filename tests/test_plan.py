@@ -282,6 +282,7 @@ def test_plot_plan_leaves_the_backend_alone(tmp_path):
     ("--peak-tflops", "nan"), ("--tokens-per-device", "0"), ("--world-sizes", "0,2"), ("--world-sizes", "a"),
     ("--bucket-mb", "-1"), ("--params", "lots"), ("--params", "0"), ("--grad-bytes", "0"),
     ("--mem-bandwidth-gbs", "0"), ("--calibrate-backward-ms", "0"), ("--first-bucket-mb", "0"),
+    ("--calibrate-from", "flops"),
 ])
 def test_bad_values_fail_naming_the_flag(flag, value, capsys):
     with pytest.raises(SystemExit) as exc:
