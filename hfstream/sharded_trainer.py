@@ -10,9 +10,13 @@ mean gradient. Three places in the Trainer loop run user code there:
                       for; ``on_pre_optimizer_step``/``on_optimizer_step`` also get the whole mean
                       gradient in ``.grad`` (gathered for them; what a callback writes to it
                       before the step is kept)
-    compute_loss      `PreForwardReads`: an overridden ``compute_loss`` is watched once; if it reads
-                      parameters before the forward (a penalty on the weights), every later step
-                      waits for the gathers before it (said once)
+    compute_loss      `PreForwardReads`: an overridden ``compute_loss`` or ``training_step`` is watched
+                      once; if it reads parameters before the forward (a penalty on the weights),
+                      every later step waits for the gathers before it (said once)
+    training_step     `GradientReads`: an overridden ``training_step`` gets the whole mean gradient
+                      in ``.grad`` after each backward of the first step, and is watched; if it reads
+                      or changes ``.grad`` (FGM, SAM, gradient surgery) or runs several backwards,
+                      every step keeps doing so (said once), else the slices suffice
     the checkpoint    `save_optimizer`: every rank's slices, saved whole as the stock ``optimizer.pt``
 
 Each costs overlap only where user code actually needs the values, and says so once.
@@ -26,6 +30,8 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
+
+from .gradsync.eager import ModelHook
 
 _OWN_CALLBACKS = ("transformers.trainer_callback", "transformers.integrations")   # never read parameters
 _GRADIENT_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")   # stock holds the mean gradient there
@@ -100,7 +106,7 @@ class PreForwardReads(TorchFunctionMode):
         self._names = {id(p): n for n, p in hooked}
         self.read: list[str] = []
         self._began = False
-        self._handle = model.register_forward_pre_hook(self._forward_began)
+        self._handle = model.register_forward_pre_hook(ModelHook(self._forward_began))
 
     def _forward_began(self, *_):
         self._began = True
@@ -117,6 +123,35 @@ class PreForwardReads(TorchFunctionMode):
     def __exit__(self, *exc):
         self._handle.remove()
         return super().__exit__(*exc)
+
+
+class GradientReads(TorchFunctionMode):
+    """Notes whether code outside backward passes a gathered ``.grad`` to a torch function, or replaces one.
+
+    Active around the first training step of a ``training_step`` override (sharded): `gathered`
+    names the gradients hfstream put in ``.grad`` after a backward; a torch function that receives
+    one of them outside the autograd engine (hfstream's own hooks run inside it) reads or writes
+    it; `touched` also counts one cleared or replaced since (``zero_grad``, ``p.grad = ...``).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._ids: set[int] = set()
+        self._given: list = []   # (parameter, the gradient hfstream gave it)
+        self.read = False
+
+    def gathered(self, hooked) -> None:
+        self._given = [(p, p.grad) for _, p in hooked if p.grad is not None]
+        self._ids = {id(g) for _, g in self._given}
+
+    def touched(self, hooked) -> bool:
+        return self.read or any(p.grad is not g for p, g in self._given)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.read and self._ids and torch._C._current_graph_task_id() == -1:
+            self.read = any(id(t) in self._ids for t in _tensors(args, kwargs))
+        return func(*args, **kwargs)
 
 
 def _tensors(args, kwargs):

@@ -25,6 +25,7 @@ Around them:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ from transformers import Trainer
 from .args import StreamTrainingArguments
 from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
+from .gradsync.eager import ModelHook
 from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_sharded, resolve_grad_sync
 from .log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
@@ -44,6 +46,15 @@ from .report_fields import KEYS as REPORT_KEYS
 from .timeline import StepTimeline, StreamReport, combine_ranks
 
 logger = logging.getLogger(__name__)
+
+def _synchronising(training_step):
+    """``training_step`` run inside `StreamTrainerMixin._stream_training_step` (the synchronising window)."""
+    @functools.wraps(training_step)
+    def step(self, model, inputs, *args, **kwargs):
+        return self._stream_training_step(training_step, model, inputs, *args, **kwargs)
+    step._hfstream_window = True
+    return step
+
 
 class StreamTrainerMixin:
     """Prefetching, overlapped gradient sync and the step report for any `Trainer` subclass.
@@ -82,6 +93,19 @@ class StreamTrainerMixin:
         self._loader_collectives = False   # the train loader broadcasts batches (DataLoaderDispatcher)
         self._notes: list[str] = []        # what was given up this run, and why (logged once each)
         self._reads_before_forward: list[str] | None = None   # sharded: what compute_loss reads first (once seen)
+        # What set the optimizer, in the user's terms (an error names it): optimizers=, or optim=.
+        self._optimizer_origin = (f"optimizers=({type(self.optimizer).__name__}(...), ...)" if self.optimizer is not None
+                                  else f"optimizer_cls_and_kwargs=({self.optimizer_cls_and_kwargs[0].__name__}, ...)"
+                                  if getattr(self, "optimizer_cls_and_kwargs", None) is not None
+                                  else f"optim={getattr(self.args.optim, 'value', self.args.optim)!r}")
+        self._in_training_step = False   # inside the outermost training_step call (its window)
+        self._backwards = 0              # synchronising backwards finished in the current window
+        self._whole_in_window = False    # sharded: .grad holds the whole mean gradient in this window
+        # The first class (other than this mixin and Trainer) whose training_step runs: user code
+        # that may read .grad or run several backwards (None: the Trainer's own step only).
+        self._user_training_step = _own_training_step(type(self))
+        self._reads_gradients: bool | None = None   # sharded: whether that step reads .grad (first step watched)
+        self._gradient_reads = None                 # the first step's watch, while it runs
         from .sharded_trainer import CallbackGuard
 
         CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._optimizer_sharded else None, self._note)
@@ -208,7 +232,8 @@ class StreamTrainerMixin:
                 comm_dtype=self.args.grad_comm_dtype,
                 comm_stream_priority=self.args.comm_stream_priority,
                 timeout=self.args.ddp_timeout,
-                broadcast_buffers=bool(self.args.ddp_broadcast_buffers),
+                # Unset means DDP's default (True), as the stock Trainer leaves it to DDP.
+                broadcast_buffers=self.args.ddp_broadcast_buffers is not False,
             )
             release_at_exit(self.grad_sync)   # a finished run must exit 0 (clean_exit.py)
             # Only the Trainer's own training step synchronises: a backward in a callback (a gradient
@@ -220,7 +245,7 @@ class StreamTrainerMixin:
                 notice(logger, "hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
                                self.args.ddp_bucket_cap_mb)
         if training and self._timeline is not None and self._forward_hook is None:
-            self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(self._forward_done)
+            self._forward_hook = self.accelerator.unwrap_model(model).register_forward_hook(ModelHook(self._forward_done))
         return super()._wrap_model(model, training=training, dataloader=dataloader)
 
     def _shard_optimizer(self) -> None:
@@ -233,7 +258,7 @@ class StreamTrainerMixin:
         try:
             self.grad_sync.shard_optimizer(optimizer)
         except ValueError as exc:
-            raise ValueError(f"optim={self.args.optim!r} with grad_sync='sharded': {exc}") from None
+            raise ValueError(f"{self._optimizer_origin} with grad_sync='sharded': {exc}") from None
 
     def _gradient_group(self):
         if self._grad_group is None:
@@ -291,62 +316,150 @@ class StreamTrainerMixin:
             self._watchdog.close()
             self._watchdog = None
 
+    @_synchronising
     def training_step(self, model, inputs, num_items_in_batch=None):
-        step = self.state.global_step + 1
-        self._watch(f"inside step {step} (forward, backward and the gradient reduction)")
-        loss = self._stream_training_step(model, inputs, num_items_in_batch)
-        self._watch(f"inside step {step} (gradient clipping and the optimizer step)")
-        return loss
+        return super().training_step(model, inputs, num_items_in_batch)
 
-    def _stream_training_step(self, model, inputs, num_items_in_batch=None):
+    def __init_subclass__(cls, **kwargs):
+        # [Note: the training step is the user's] DDP's reducer follows every backward of a
+        # synchronising forward, whoever runs it. A subclass's own training_step (with or without
+        # super(), one backward or two: FGM, SAM) is wrapped here the same way as this class's, so
+        # the window below (what syncs, finish at each backward's end) holds whatever it does.
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("training_step")
+        if own is not None and not getattr(own, "_hfstream_window", False):
+            cls.training_step = _synchronising(own)
+
+    def _stream_training_step(self, run, model, inputs, *args, **kwargs):
+        """One micro-step, whatever ``training_step`` runs: tell GradSync whether it syncs, finish each backward.
+
+        The outermost call only (an override's ``super()`` chain runs inside it). On the
+        synchronising micro-step GradSync calls `_backward_ended` at the end of every backward
+        whose gradients all arrived, so code between two backwards reads the mean gradient; what
+        no backward finished (a rank whose backward fired no hook) is finished here.
+        """
+        if self._in_training_step:
+            return run(self, model, inputs, *args, **kwargs)
+        self._in_training_step = True
+        try:
+            step = self.state.global_step + 1
+            self._watch(f"inside step {step} (forward, backward and the gradient reduction)")
+            loss = self._synchronised(run, model, inputs, *args, **kwargs)
+            self._watch(f"inside step {step} (gradient clipping and the optimizer step)")
+            return loss
+        finally:
+            self._in_training_step = False
+
+    def _synchronised(self, run, model, inputs, *args, **kwargs):
         sync, timeline = self.grad_sync, self._timeline
         syncs = self.accelerator.sync_gradients or bool(
             self.accelerator.gradient_state.plugin_kwargs.get("sync_each_batch", False))
+        whole = syncs and self._whole_gradients_in_step
         if sync is not None:
             sync.require_backward_grad_sync = syncs
+            sync.after_backward = self._backward_ended if syncs else None
+            self._backwards, self._whole_in_window = 0, whole
+            if self._optimizer_sharded:
+                sync.reduction.accumulate = False
         if timeline is not None:
             timeline.forward_start()
-        loss = self._step_reading_parameters_first(model, inputs, num_items_in_batch)
+        try:
+            loss = self._run_step_watched(run, model, inputs, *args, **kwargs)
+        finally:
+            if sync is not None:
+                sync.require_backward_grad_sync = False   # until the next training step
+                sync.after_backward = None
         if timeline is not None:
             timeline.backward_end()
-        if sync is not None:
-            sync.require_backward_grad_sync = False   # until the next training step
         if sync is not None and syncs:
-            t0 = time.perf_counter()
-            sync.finish()
-            if timeline is not None:
-                # Read later, when the report is made: reading now would make the host wait for the
-                # reductions' events on an accelerator, every step.
-                timeline.add_comm_later(sync.stats_deferred(), (t0, time.perf_counter()))
-            for note in sync.notes:
-                self._note(note)
+            self._backward_ended()
+            if whole:   # the slices take the whole gradient, as the user's code left it
+                sync.reduction.scatter_gradients()
         if timeline is not None and self.accelerator.sync_gradients:
             timeline.optimizer_start()
         return loss
 
-    def _step_reading_parameters_first(self, model, inputs, num_items_in_batch):
-        """`Trainer.training_step`; under sharded, current parameters for a ``compute_loss`` that reads them first.
+    def _backward_ended(self) -> None:
+        """A synchronising backward is over: wait for its reductions; under sharded, .grad as stock where read."""
+        sync, timeline = self.grad_sync, self._timeline
+        if not sync.sync_pending:
+            return
+        if timeline is not None:
+            timeline.backward_end()
+        t0 = time.perf_counter()
+        sync.finish()
+        if timeline is not None:
+            # Read later, when the report is made: reading now would make the host wait for the
+            # reductions' events on an accelerator, every step.
+            timeline.add_comm_later(sync.stats_deferred(), (t0, time.perf_counter()))
+        for note in sync.notes:
+            self._note(note)
+        self._backwards += 1
+        if self._optimizer_sharded:
+            if self._whole_in_window:
+                sync.reduction.gather_gradients()   # the mean, whole, in .grad: a further backward adds to it
+                if self._gradient_reads is not None:
+                    self._gradient_reads.gathered(sync.hooked_parameters)
+            else:
+                sync.reduction.accumulate = True    # a further backward adds its mean to the slices'
+        if timeline is not None and sync.after_backward is not None:
+            timeline.forward_start()   # a further forward of this step (FGM, SAM) is timed from here
 
-        An overridden ``compute_loss`` is watched in the first step: if it reads parameters before
-        the forward (a penalty on the weights), every later step waits for the gathers before it.
+    @property
+    def _whole_gradients_in_step(self) -> bool:
+        """Sharded, with a training_step of the user's: .grad holds the whole mean gradient inside the step.
+
+        Watched in the first step (`GradientReads`): kept only if the step reads or changes
+        .grad, or runs several backwards; said once.
         """
-        from .sharded_trainer import PreForwardReads, overrides_compute_loss
+        return self._optimizer_sharded and self._user_training_step is not None and self._reads_gradients is not False
 
-        if not self._optimizer_sharded or not overrides_compute_loss(self):
-            return super().training_step(model, inputs, num_items_in_batch)
-        if self._reads_before_forward is None and not self.args.torch_compile:
-            with PreForwardReads(self.grad_sync.hooked_parameters, model) as watch:
-                loss = super().training_step(model, inputs, num_items_in_batch)
-            self._reads_before_forward = watch.read
-            if watch.read:
-                self._note(f"hfstream: {type(self).__name__}.compute_loss reads parameters before the forward "
-                           f"({', '.join(watch.read[:3])}{' ...' if len(watch.read) > 3 else ''}): under "
-                           f"grad_sync='sharded' every step now waits for the parameter all-gathers before it, so "
-                           f"they no longer overlap the forward. Compute such terms after the forward to keep it")
-            return loss
-        if self._reads_before_forward or self.args.torch_compile:   # compiled: the forward waits first anyway
-            self.grad_sync.wait_for_params()
-        return super().training_step(model, inputs, num_items_in_batch)
+    def _run_step_watched(self, run, model, inputs, *args, **kwargs):
+        """``run``; under sharded, current parameters for user code that reads them before the forward.
+
+        A ``training_step`` or ``compute_loss`` of the user's is watched in the first step: if it reads
+        parameters before the forward (a penalty on the weights), every later step waits for the
+        gathers before it; if it reads the gradients, .grad holds the whole mean gradient in every
+        step (`_whole_gradients_in_step`).
+        """
+        from .sharded_trainer import GradientReads, PreForwardReads, overrides_compute_loss
+
+        user = self._user_training_step or ("compute_loss" if overrides_compute_loss(self) else None)
+        if not self._optimizer_sharded or user is None:
+            return run(self, model, inputs, *args, **kwargs)
+        first = self._reads_before_forward is None and not self.args.torch_compile
+        if not first:
+            if self._reads_before_forward or self.args.torch_compile:   # compiled: the forward waits first anyway
+                self.grad_sync.wait_for_params()
+            return run(self, model, inputs, *args, **kwargs)
+        watch_grads = self._whole_in_window and self._reads_gradients is None
+        with PreForwardReads(self.grad_sync.hooked_parameters, model) as watch:
+            self._gradient_reads = GradientReads() if watch_grads else None
+            try:
+                if self._gradient_reads is not None:
+                    with self._gradient_reads:
+                        loss = run(self, model, inputs, *args, **kwargs)
+                else:
+                    loss = run(self, model, inputs, *args, **kwargs)
+            finally:
+                reads, self._gradient_reads = self._gradient_reads, None
+        self._reads_before_forward = watch.read
+        where = f"{type(self).__name__}.{user}"
+        if watch.read:
+            self._note(f"hfstream: {where} reads parameters before the forward "
+                       f"({', '.join(watch.read[:3])}{' ...' if len(watch.read) > 3 else ''}): under "
+                       f"grad_sync='sharded' every step now waits for the parameter all-gathers before it, so "
+                       f"they no longer overlap the forward. Compute such terms after the forward to keep it")
+        if reads is not None:
+            touched = reads.touched(self.grad_sync.hooked_parameters) or self._backwards > 1
+            self._reads_gradients = touched
+            if touched:
+                self._note(f"hfstream: {where} reads or changes .grad inside the step, or runs {self._backwards} "
+                           f"backward(s): under grad_sync='sharded' each rank keeps only its slice of the mean "
+                           f"gradient, so hfstream gathers the whole mean gradient into .grad after every backward "
+                           f"of the step, as the stock Trainer holds it (an all-gather of the gradients per backward, "
+                           f"their memory again). For norms only, read trainer.grad_sync.grad_norms() instead")
+        return loss
 
     def _clip_grad_norm(self, model):
         if self._optimizer_sharded:   # the norm of the whole mean gradient, from every rank's slices
@@ -443,6 +556,14 @@ class StreamTrainerMixin:
         ended, on every rank.
         """
         return self._report
+
+
+def _own_training_step(cls) -> str | None:
+    """``"training_step"`` if a class of ``cls`` other than hfstream's mixin and ``Trainer`` defines one."""
+    for base in cls.__mro__:
+        if base is not StreamTrainerMixin and base is not Trainer and "training_step" in base.__dict__:
+            return "training_step"
+    return None
 
 
 class StreamTrainer(StreamTrainerMixin, Trainer):

@@ -33,6 +33,41 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
                torch.optim.RAdam, torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD,
                torch.optim.Adadelta)
 
+# The class attribute a user's optimizer sets to declare its update elementwise (`check_elementwise`).
+DECLARATION = "hfstream_elementwise"
+
+
+def declared_elementwise(optimizer) -> bool:
+    """Whether ``optimizer``'s update is elementwise: a torch one listed above, or declared by its class."""
+    return isinstance(optimizer, ELEMENTWISE) or getattr(type(optimizer), DECLARATION, False) is True
+
+
+def check_elementwise(optimizer) -> None:
+    """Refuse, by its class name, an optimizer whose update is not known to be elementwise.
+
+    An optimizer of one's own (Lion, say) is sharded once its class declares it:
+    ``class Lion(torch.optim.Optimizer): hfstream_elementwise = True``. Schedule-free optimizers
+    (``train()``/``eval()`` swap the model's weights for another sequence) are refused even so:
+    the swap writes the parameters the optimizer holds, which under sharded are this rank's
+    pieces, not the model's weights.
+    """
+    name = type(optimizer).__name__
+    if callable(getattr(optimizer, "train", None)) and callable(getattr(optimizer, "eval", None)):
+        raise ValueError(
+            f"grad_sync='sharded' cannot shard {name}: its train()/eval() swap the weights between two sequences "
+            f"(schedule-free), and under sharded the parameters it holds are this rank's flat pieces, not the "
+            f"model's weights, so evaluation would not see the averaged ones. Use grad_sync='overlap' with {name}")
+    if declared_elementwise(optimizer):
+        return
+    raise ValueError(
+        f"grad_sync='sharded' cannot shard {name}: each rank steps flat pieces of the parameters, which gives the "
+        f"unsharded result only for an optimizer whose update of an element reads only that element's gradient "
+        f"and state ({', '.join(c.__name__ for c in ELEMENTWISE)}, or a class that declares it). If {name}'s "
+        f"update is elementwise (Lion is; Adafactor, LAMB, Shampoo and Muon look at a whole parameter and are "
+        f"not), declare it on the class: {name}.{DECLARATION} = True. Otherwise use grad_sync='overlap' (the "
+        f"same backward overlap, whole gradients on every rank)")
+
+
 # Optimizers already sharded, and by which strategy (weakly: nothing is kept alive here).
 _SHARDED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, object]" = weakref.WeakKeyDictionary()
 
@@ -47,15 +82,7 @@ def check_optimizer(hooked, model, optimizer) -> list[int]:
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    if not isinstance(optimizer, ELEMENTWISE):
-        name = type(optimizer).__name__
-        raise ValueError(
-            f"grad_sync='sharded' cannot shard {name}: each rank steps flat pieces of the parameters, which gives "
-            f"the unsharded result only for an optimizer whose update is elementwise "
-            f"({', '.join(c.__name__ for c in ELEMENTWISE)}). {name} may look at a parameter's shape or at all of "
-            f"it (Adafactor, optim='adafactor', factors its second moment by rows and columns). Use "
-            f"grad_sync='overlap' (the same speed on the backward, whole gradients on every rank) or an "
-            f"elementwise optimizer such as optim='adamw_torch'")
+    check_elementwise(optimizer)
     named = {id(p): n for n, p in model.named_parameters()}
     hooked_index = {id(p): i for i, (_, p) in enumerate(hooked)}
     group_of = [None] * len(hooked)

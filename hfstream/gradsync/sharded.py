@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from . import collectives, faults, shard_optim, shard_state
 from .bucket_state import BucketState, Phase
+from .eager import ModelHook
 from .param_waits import ForwardWaits
 from .reduction import Reduction, Wiring, check_dense
 from .shard_layout import BucketShard
@@ -67,6 +68,11 @@ class ShardedReduction(Reduction):
         self.closed = False   # after close(): a second train() re-cuts the optimizer it sharded
         self._stepped_groups = None   # the param groups, while a pipelined step left them empty
         self._bucket_groups: list = []   # per bucket: its pieces per param group (`_install`)
+        # A further backward of the same step (FGM, two losses) adds its mean to the slices' mean
+        # instead of replacing it, as .grad accumulates in stock; the Trainer sets it after the
+        # step's first backward. _carried: bucket index -> the slice's mean before that backward.
+        self.accumulate = False
+        self._carried: dict[int, torch.Tensor] = {}
 
     @property
     def attached(self) -> bool:
@@ -122,9 +128,9 @@ class ShardedReduction(Reduction):
         ]
         model = self.waits.inner
         # Whatever reads or replaces the parameters between a step and the next forward.
-        self._handles += [model.register_state_dict_pre_hook(lambda *_: self.wait_for_params()),
-                          model.register_load_state_dict_pre_hook(lambda *_: self.wait_for_params()),
-                          model.register_load_state_dict_post_hook(lambda *_: self.refresh())]
+        self._handles += [model.register_state_dict_pre_hook(ModelHook(lambda *_: self.wait_for_params())),
+                          model.register_load_state_dict_pre_hook(ModelHook(lambda *_: self.wait_for_params())),
+                          model.register_load_state_dict_post_hook(ModelHook(lambda *_: self.refresh()))]
         self.waits.watch()
         w.recorder.record_gathers()   # each step's stats carry the previous step's gathers
         if whole is not None:
@@ -191,6 +197,8 @@ class ShardedReduction(Reduction):
 
     def launch(self, st: BucketState):
         sh = st.layout
+        if self.accumulate:
+            self._carried[st.plan.index] = sh.grad.clone()   # the collective writes sh.grad (or received, then it)
         out = sh.received if (self.local_sum or sh.received is not None) else sh.grad
         return collectives.launch_reduce_scatter(st.buffer, out, self.wiring.group, self.local_sum)
 
@@ -201,6 +209,9 @@ class ShardedReduction(Reduction):
             collectives.sum_received(sh.received, sh.grad, self.wiring.world_size)
         elif sh.received is not None:
             sh.grad.copy_(sh.received)   # back from a compressed wire
+        carried = self._carried.pop(st.plan.index, None)
+        if carried is not None:
+            sh.grad.add_(carried)
         sh.set_grads()
 
     # -- between the halves: the optimizer ---------------------------------------------------------

@@ -52,7 +52,7 @@ from .broadcast import broadcast_from_rank0
 from .bucket_state import BucketState, Phase
 from .buckets import Bucket
 from .comm_streams import CommStreams
-from .eager import eager_hook
+from .eager import ModelHook, eager_hook
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
 from .overlap_check import OverlapCheck
 from .reduction import AllReduce, Reduction, Wiring
@@ -85,8 +85,10 @@ class GradSync:
             default: 1 MiB in sharded mode, not cut otherwise (as DDP).
         timeout: seconds a wait may take before it raises, naming what did not complete (default
             1800, torch's; the Trainer passes ``ddp_timeout``; `faults`).
-        broadcast_buffers: copy rank 0's buffers before each training forward (DDP's option);
-            off by default: they are broadcast once, at construction.
+        broadcast_buffers: copy rank 0's buffers before a training forward that follows a
+            synchronised one (DDP's option and rule, ``require_forward_param_sync``: the first
+            micro-batch of each step); off by default here: they are broadcast once, at construction
+            (the Trainer passes DDP's default, True, when ``ddp_broadcast_buffers`` is unset).
 
     A parameter whose hook did not fire still travels in its bucket (its ``.grad`` from
     ``no_sync()`` steps, or zeros), so every rank launches the same collectives; one frozen after
@@ -104,6 +106,10 @@ class GradSync:
         world_size: ranks in the group; 1 (or no process group) means GradSync does nothing.
         notes: what was given up and why (e.g. "overlap lost ..."), each also logged once.
         closed: True after `close()`.
+        after_backward: None (default: the caller calls `finish()`), or a function GradSync calls at
+            the end of every synchronised backward in which every parameter got its gradient, from
+            the autograd engine's final callback (DDP's ``finalize_backward``): the Trainer finishes
+            there, so code that runs between two backwards of one step reads the mean gradient.
     """
 
     def __init__(self, model: torch.nn.Module, bucket_mb: float | str = DEFAULT_BUCKET_MB, mode: str = "overlap",
@@ -124,6 +130,10 @@ class GradSync:
         self.comm_stream_priority = comm_stream_priority
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
+        # DDP's require_forward_param_sync: whether the last training forward was a synchronised one
+        # (True before the first); the buffers are broadcast before the forward that follows it.
+        self._forward_param_sync = True
+        self.after_backward = None
 
         self._hooked = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         registry.claim(self, [p for _, p in self._hooked])   # raises if another GradSync hooks this model
@@ -159,7 +169,7 @@ class GradSync:
             for i, (_, p) in enumerate(self._hooked):
                 # The hook knows the parameter's position only: _where maps it to its current
                 # bucket, so re-planning (bucket_mb="auto") needs no new hooks.
-                self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, i)))
+                self._handles.append(p.register_post_accumulate_grad_hook(ModelHook(functools.partial(self._on_grad_ready, i))))
             # Never traced by torch.compile: it keeps Python state a compiled graph would freeze.
             self._handles.append(model.register_forward_pre_hook(eager_hook(self._on_forward)))
             self._comm_streams.hint_nccl_priority(process_group)
@@ -252,9 +262,10 @@ class GradSync:
                 for i, (_, p) in enumerate(self._hooked):
                     if not p.requires_grad:   # frozen since: no hook will fire, its bucket need not wait
                         st, slot = self._where[i]
-                        st.mark_ready(slot)
-        if self.broadcast_buffers:
+                        self._mark_ready(st, slot)
+        if self.broadcast_buffers and self._forward_param_sync:
             broadcast_from_rank0(self.model, self.process_group, buffers_only=True)
+        self._forward_param_sync = self.require_backward_grad_sync
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
@@ -271,7 +282,7 @@ class GradSync:
                 return   # accumulation micro-step: the gradient just accumulates locally
             self._sync_pending = True
             self._planner.gradient_arrived(i, param, first_of_step=self._overlap.hook())
-            if not st.mark_ready(slot) or not self.reduction.launch_from_hooks:
+            if not self._mark_ready(st, slot) or not self.reduction.launch_from_hooks:
                 return
             # Launch in plan order only: collectives are matched by the order they are issued, so a
             # bucket that completes early waits for the ones before it (they complete soon after).
@@ -279,6 +290,21 @@ class GradSync:
             while self._next < len(states) and states[self._next].pending == 0:
                 self._launch(states[self._next])
             self._overlap.launching_s += time.perf_counter() - t0
+
+    def _mark_ready(self, st: BucketState, slot: int) -> bool:
+        """``st.mark_ready``; once every parameter is ready, ``after_backward`` is queued for backward's end."""
+        if not st.mark_ready(slot):
+            return False
+        self._unready -= 1
+        if self._unready == 0 and self.after_backward is not None and torch._C._current_graph_task_id() != -1:
+            # DDP queues its finalize_backward the same way: run by the engine once this backward
+            # (the graph task the last hook fired in) is done, before backward() returns.
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        return True
+
+    def _backward_ended(self) -> None:
+        if self.after_backward is not None:
+            self.after_backward()
 
     def _launch(self, st: BucketState) -> None:
         device = st.plan.device
@@ -352,6 +378,11 @@ class GradSync:
 
     finish_gradient_synchronization = finish   # the name Accelerate/DDP users know
 
+    @property
+    def sync_pending(self) -> bool:
+        """Whether a synchronised forward or backward ran since the last `finish()` (finish() has work)."""
+        return self._active and self._sync_pending
+
     # -- what happened, what is pending ----------------------------------------------------------
     @property
     def stats(self) -> SyncStats:
@@ -418,6 +449,7 @@ class GradSync:
         self._next = 0                  # next bucket to launch, in plan order
         self._launch_order: list[int] = []
         self._sync_pending = False      # a synchronised forward or hook since the last finish()
+        self._unready = len(self._hooked)   # parameters not ready in this synchronised backward
         self._overlap.reset()
 
     def close(self) -> None:

@@ -1,0 +1,141 @@
+"""GradSync under what user training steps do (2 gloo ranks, in seconds): DDP's rules held by effect.
+
+- buffers are broadcast before a forward that follows a synchronised one (DDP's
+  ``require_forward_param_sync``): under accumulation, before each step's first micro-batch only;
+- ``after_backward`` runs at the end of every synchronised backward (the autograd engine's final
+  callback, as DDP's ``finalize_backward``), so code between two backwards of one step reads the
+  mean gradient, and a second backward adds its mean to it (FGM), in overlap and sharded mode.
+
+The Trainer-level scenarios against stock DDP are in test_trainer_user_steps.py (slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfstream import GradSync
+from hfstream.gradsync import sync as sync_module
+
+pytestmark = pytest.mark.multiprocess
+
+
+class WithStats(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+def _x(step, rank):
+    return torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def broadcasts_per_forward(rank, world_size):
+    torch.manual_seed(0)
+    model = WithStats()
+    sync = GradSync(model, bucket_mb=1.0, broadcast_buffers=True)
+    calls = []
+    real = sync_module.broadcast_from_rank0
+    sync_module.broadcast_from_rank0 = lambda *a, **k: (calls.append(len(seen)), real(*a, **k))[1]
+    seen = []
+    for step in range(3):
+        for micro in range(2):
+            seen.append((step, micro))
+            if micro == 0:
+                with sync.no_sync():
+                    model(_x(step, rank)).pow(2).mean().backward()
+            else:
+                model(_x(step, rank)).pow(2).mean().backward()
+                sync.finish()
+    sync_module.broadcast_from_rank0 = real
+    return [seen[i - 1] for i in calls]
+
+
+def test_buffers_are_broadcast_before_the_first_micro_batch_of_each_step_only(run_distributed):
+    for got in run_distributed(broadcasts_per_forward, 2, timeout=90):
+        assert got == [(0, 0), (1, 0), (2, 0)], got
+
+
+def _mean_grads(model, xs, world_size):
+    """Reference: each rank's gradient of its own batch, averaged by hand with all_reduce."""
+    model.zero_grad()
+    model(xs).pow(2).mean().backward()
+    out = {}
+    for n, p in model.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        out[n] = g / world_size
+    model.zero_grad()
+    return out
+
+
+def two_backwards(rank, world_size, mode):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref_model.load_state_dict(model.state_dict())
+    x1, x2 = _x(1, rank), _x(2, rank)
+    mean1, mean2 = _mean_grads(ref_model, x1, world_size), _mean_grads(ref_model, x2, world_size)
+
+    sync = GradSync(model, bucket_mb=0.0002, mode=mode)
+    optimizer = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0)) if mode == "sharded" else None
+    ended, seen = [], {}
+
+    def after_backward():
+        sync.finish()
+        ended.append(len(ended))
+        if mode == "sharded":
+            sync.reduction.gather_gradients()   # what the Trainer does for a step that reads .grad
+        seen[len(ended)] = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    sync.after_backward = after_backward
+    model(x1).pow(2).mean().backward()
+    first = seen.get(1)
+    model(x2).pow(2).mean().backward()
+    if optimizer is not None:
+        sync.reduction.scatter_gradients()
+    return ended, first, seen.get(2), mean1, mean2
+
+
+@pytest.mark.parametrize("mode", ["overlap", "sharded"])
+def test_each_backward_ends_with_the_mean_gradient_and_a_second_adds_its_mean(run_distributed, mode):
+    for ended, first, second, mean1, mean2 in run_distributed(two_backwards, 2, mode, timeout=90):
+        assert ended == [0, 1]                 # called once at the end of each backward
+        assert first is not None and sorted(first) == sorted(mean1)
+        for n in mean1:
+            torch.testing.assert_close(first[n], mean1[n], rtol=1e-5, atol=1e-6, msg=n)
+            torch.testing.assert_close(second[n], mean1[n] + mean2[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def sharded_slices_accumulate(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref.load_state_dict(model.state_dict())
+    x1, x2 = _x(1, rank), _x(2, rank)
+    mean1, mean2 = _mean_grads(ref, x1, world_size), _mean_grads(ref, x2, world_size)
+    sync = GradSync(model, bucket_mb=0.0002, mode="sharded")
+    sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+
+    def after_backward():
+        sync.finish()
+        sync.reduction.accumulate = True   # a further backward of this step adds to the slices
+
+    sync.after_backward = after_backward
+    model(x1).pow(2).mean().backward()
+    model(x2).pow(2).mean().backward()
+    sync.reduction.gather_gradients()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, mean1, mean2
+
+
+def test_under_sharded_a_second_backward_adds_its_mean_to_the_slices(run_distributed):
+    for got, mean1, mean2 in run_distributed(sharded_slices_accumulate, 2, timeout=90):
+        assert sorted(got) == sorted(mean1)
+        for n in mean1:
+            torch.testing.assert_close(got[n], mean1[n] + mean2[n], rtol=1e-5, atol=1e-6, msg=n)
