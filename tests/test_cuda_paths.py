@@ -35,3 +35,18 @@ def test_sharded_pack_on_the_current_stream_records_nothing(monkeypatch):
     st = _packed_bucket()
     ShardedReduction.pack(SimpleNamespace(wiring=SimpleNamespace(world_size=2)), st, None)
     assert recorded == []
+
+
+def test_shard_state_reads_per_parameter_state_without_a_host_read_per_piece(monkeypatch):
+    from hfstream.gradsync import shard_state
+    tensors = [torch.zeros(2) for _ in range(3)]
+    pieces = [SimpleNamespace(slot=i) for i in range(3)]
+    sh = SimpleNamespace(params=tensors, pieces=pieces, tensors=tensors, master=torch.zeros(1))
+    opt = SimpleNamespace(state={t: {"step": torch.tensor(float(i + 5))} for i, t in enumerate(tensors)})
+    monkeypatch.setattr(shard_state.dist, "all_reduce", lambda *a, **k: None)
+    reads = []
+    real_float = torch.Tensor.__float__
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(t) or real_float(t))
+    has, values = shard_state._param_values(opt, sh, ["step"], group=None)
+    assert has == [True, True, True] and values["step"] == [5.0, 6.0, 7.0]
+    assert reads == []   # one .tolist() for the table, no float() per piece
