@@ -1,6 +1,7 @@
 """CPU checks of the CUDA/NCCL paths (issue 29): what only a GPU shows, read through fakes."""
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from hfstream import streams
@@ -50,3 +51,53 @@ def test_shard_state_reads_per_parameter_state_without_a_host_read_per_piece(mon
     has, values = shard_state._param_values(opt, sh, ["step"], group=None)
     assert has == [True, True, True] and values["step"] == [5.0, 6.0, 7.0]
     assert reads == []   # one .tolist() for the table, no float() per piece
+
+
+def _pieces_of(full_grads, cuts):
+    """Each full gradient cut into `cuts` slices, as the sharded optimizer's piece tensors hold them."""
+    pieces = []
+    for g in full_grads:
+        for chunk in g.flatten().chunk(cuts):
+            t = torch.zeros_like(chunk)
+            t.grad = chunk.clone()
+            pieces.append(t)
+    return pieces
+
+
+@pytest.mark.parametrize("cuts", [1, 7])
+def test_sharded_clip_takes_one_fused_norm_call_whatever_the_number_of_pieces(monkeypatch, cuts):
+    from hfstream.gradsync import shard_optim
+    monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
+    calls = {"foreach": 0, "vector": 0}
+    real_foreach, real_vector = torch._foreach_norm, torch.linalg.vector_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.__setitem__("foreach", calls["foreach"] + 1)
+                        or real_foreach(*a, **k))
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: calls.__setitem__("vector", calls["vector"] + 1)
+                        or real_vector(*a, **k))
+    full = [torch.randn(30), torch.randn(5, 4)]
+    shard_optim.clip_grad_norm_(_pieces_of(full, cuts), group=None, max_norm=0.1)
+    assert calls["foreach"] == 1
+    # stock clip_grads_with_norm_ takes no norm; none is taken per piece here
+    assert calls["vector"] == 0
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])   # above and below the gradient's norm
+def test_sharded_clip_matches_stock_clip_grad_norm_on_the_whole_gradient(monkeypatch, max_norm):
+    from hfstream.gradsync import shard_optim
+    monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
+    torch.manual_seed(0)
+    full = [torch.randn(300), torch.randn(17, 9)]
+    whole = [torch.zeros_like(g) for g in full]
+    for t, g in zip(whole, full):
+        t.grad = g.clone()
+    stock = torch.nn.utils.clip_grad_norm_(whole, max_norm)
+    pieces = _pieces_of(full, 5)
+    ours = shard_optim.clip_grad_norm_(pieces, group=None, max_norm=max_norm)
+    # The norm is summed in float64 over slices (layout-independent), stock in float32 per
+    # parameter: equal to float32's rounding, not bitwise.
+    torch.testing.assert_close(ours, stock, rtol=2e-7, atol=0)
+    got = torch.cat([t.grad for t in pieces])
+    want = torch.cat([t.grad.flatten() for t in whole])
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+    if max_norm > 1e2:
+        assert torch.equal(got, torch.cat([g.flatten() for g in full]))   # not clipped: left exactly as it was
