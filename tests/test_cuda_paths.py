@@ -101,3 +101,42 @@ def test_sharded_clip_matches_stock_clip_grad_norm_on_the_whole_gradient(monkeyp
     torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
     if max_norm > 1e2:
         assert torch.equal(got, torch.cat([g.flatten() for g in full]))   # not clipped: left exactly as it was
+
+
+class _FakeNCCL:
+    class Options:
+        is_high_priority_stream = None
+        _timeout = None
+
+
+def _group_choice(monkeypatch, backend, priority, grad_sync):
+    import torch.distributed as dist
+
+    from hfstream.data_parallel import gradient_group
+    made = []
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _FakeNCCL, raising=False)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or "own group")
+    args = SimpleNamespace(comm_stream_priority=priority, grad_sync=grad_sync, ddp_timeout=60)
+    return gradient_group(args), made
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_sharded_gets_its_own_nccl_group_at_normal_priority(monkeypatch, backend):
+    group, made = _group_choice(monkeypatch, backend, "normal", "sharded")
+    assert group == "own group" and len(made) == 1
+    assert made[0]["backend"] == "nccl" and made[0]["pg_options"].is_high_priority_stream is False
+
+
+def test_a_mixed_backend_still_gets_the_high_priority_group(monkeypatch):
+    group, made = _group_choice(monkeypatch, "cpu:gloo,cuda:nccl", "high", "overlap")
+    assert group == "own group" and made[0]["pg_options"].is_high_priority_stream is True
+
+
+@pytest.mark.parametrize("backend,grad_sync", [("nccl", "overlap"), ("gloo", "sharded")])
+def test_overlap_at_normal_priority_and_gloo_keep_the_default_group(monkeypatch, backend, grad_sync):
+    group, made = _group_choice(monkeypatch, backend, "normal", grad_sync)
+    assert group is None and made == []
