@@ -140,3 +140,19 @@ def test_a_mixed_backend_still_gets_the_high_priority_group(monkeypatch):
 def test_overlap_at_normal_priority_and_gloo_keep_the_default_group(monkeypatch, backend, grad_sync):
     group, made = _group_choice(monkeypatch, backend, "normal", grad_sync)
     assert group is None and made == []
+
+
+def test_a_replan_drops_the_old_plans_wire_buffers_before_the_new_plan_builds_its_own():
+    from hfstream.gradsync.sync import GradSync
+    old = [SimpleNamespace(buffer=torch.zeros(8), views=[torch.zeros(4)],
+                           layout=SimpleNamespace(received=torch.zeros(8))),
+           SimpleNamespace(buffer=torch.zeros(8), views=[], layout=[True])]   # AllReduce's layout: a list
+    seen = []
+
+    def build(previous):
+        seen.append([(st.buffer, st.views, getattr(st.layout, "received", None)) for st in previous])
+
+    fake = SimpleNamespace(buckets=[SimpleNamespace(names=["a"])], _states=old, _build_states=build,
+                           _reset_step=lambda: None, _planner=SimpleNamespace(planned_mb=1))
+    GradSync._replan(fake, [SimpleNamespace(names=["b"])])
+    assert seen == [[(None, [], None), (None, [], None)]]
