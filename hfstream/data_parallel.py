@@ -71,22 +71,32 @@ def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
 
 
 def gradient_group(args):
-    """On NCCL with comm_stream_priority="high", a group whose kernels run on a high-priority stream; else None.
+    """On NCCL, a group of the gradient collectives' own where they need one; else None (the default group).
 
-    NCCL fixes its stream's priority when the communicator is created, so the default group
-    (made by Accelerate) cannot be raised afterwards. This group carries only the gradient
-    collectives, which never run concurrently with the default group's: those (loss gathering,
-    metrics) happen outside backward, after ``finish()``. The Trainer creates it once and reuses
-    it for every ``train()`` (a communicator per call would pile up over a hyperparameter search).
+    One is made for ``comm_stream_priority="high"``: NCCL fixes its stream's priority when the
+    communicator is created, so the default group (made by Accelerate) cannot be raised
+    afterwards. One is made for ``grad_sync="sharded"`` whatever the priority: its parameter
+    all-gathers are in flight across the next forward, and a communicator runs its collectives
+    in the order they were queued, so on the default group the Trainer's per-step
+    ``accelerator.gather(num_items_in_batch)`` (before the forward) would wait for every
+    gather. Under "overlap"/"serial" with normal priority the default group is kept: every
+    gradient collective has finished at ``finish()``, before the step, so nothing of the
+    Trainer's queues behind one. A mixed backend ("cpu:gloo,cuda:nccl") counts as NCCL: its CUDA
+    collectives are. The Trainer creates the group once and reuses it for every ``train()`` (a
+    communicator per call would pile up over a hyperparameter search).
     """
     import torch.distributed as dist
 
-    if (args.comm_stream_priority != "high" or not dist.is_available() or not dist.is_initialized()
-            or dist.get_world_size() == 1 or dist.get_backend() != "nccl" or not hasattr(dist, "ProcessGroupNCCL")):
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    high = args.comm_stream_priority == "high"
+    if not (high or getattr(args, "grad_sync", None) == "sharded"):
+        return None
+    if "nccl" not in str(dist.get_backend()) or not hasattr(dist, "ProcessGroupNCCL"):
         return None
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
     options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = True
+    options.is_high_priority_stream = high
     # new_group() compares the options' own timeout with its argument and warns on every rank when
     # they differ; this is the attribute it reads (and then overwrites with the argument).
     options._timeout = timeout

@@ -168,15 +168,16 @@ def clip_grad_norm_(tensors, group, max_norm: float, norm_type: float = 2.0, err
     dtype = tensors[0].grad.dtype if tensors else torch.float32
     # Partial sums in float64: how the gradient is cut into slices (bucket cap, re-plan, process
     # count) then changes the norm far below float32's last bit, so a resumed run, whose layout
-    # may differ from the uninterrupted one's, clips with the same coefficient.
+    # may differ from the uninterrupted one's, clips with the same coefficient. One fused
+    # _foreach_norm per device and dtype, as clip_grad_norm_ does, not one launch per piece.
     grads = [t.grad for t in tensors if t.grad.numel()]
     if math.isinf(norm_type):
-        local = (torch.stack([g.abs().max().to(torch.float64) for g in grads]).max() if grads
+        local = (torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64)).max() if grads
                  else torch.zeros((), dtype=torch.float64, device=device))
         total = local.to(device)
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        total = (torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]).pow(norm_type).sum()
+        total = (torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64)).pow(norm_type).sum()
                  if grads else torch.zeros((), dtype=torch.float64)).to(device)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
         total = total.pow(1.0 / norm_type)

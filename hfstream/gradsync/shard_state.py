@@ -134,7 +134,9 @@ def _param_values(optimizer, sh, keys, group) -> tuple[list[bool], dict]:
             table[0, pc.slot] = 1.0
             for row, k in enumerate(keys, start=1):
                 if k in state:
-                    table[row, pc.slot] = float(state[k])
+                    # A tensor (fused AdamW's on-device ``step``) is copied on the device: float() here
+                    # would be one host sync per piece; the table is read once, after the reduction.
+                    table[row, pc.slot] = state[k]
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
     rows = table.tolist()
     return [v > 0 for v in rows[0]], {k: rows[row] for row, k in enumerate(keys, start=1)}

@@ -32,6 +32,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from .. import streams
 from . import collectives, faults, shard_optim, shard_state
 from .bucket_state import BucketState, Phase
 from .eager import ModelHook
@@ -190,6 +191,8 @@ class ShardedReduction(Reduction):
                 dst.zero_()
                 continue
             check_dense(grad, st, slot)
+            if stream is not None:
+                streams.record_stream(grad, stream)   # freed below while the side stream may still read it
             torch.div(grad, n, out=dst)
             # The buffer holds it now, and the mean comes back as the pieces' .grad; the model's own
             # .grad would otherwise keep accumulating and hold a second copy of every gradient.

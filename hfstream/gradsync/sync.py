@@ -64,6 +64,22 @@ from .tune import BucketTuner, TuningResult
 logger = logging.getLogger(__name__)
 
 
+def release_wire_buffers(states: list[BucketState]) -> None:
+    """Drop the old plan's gradient wire buffers before the new plan allocates its own.
+
+    Called at a re-plan, after ``finish()``: every reduction has completed and its result is in
+    ``.grad`` (or, sharded, in the layout's ``grad``), so the buffers the gradients travelled in
+    (model-sized, padded) and a compressed wire's receive buffer are not read again. Without this
+    the old plan's and the new plan's wire buffers are both alive while the new one is built.
+    The sharded layout's ``gathered`` (the parameters' storage), ``grad`` and ``master`` stay:
+    the new layout copies the parameters from them and the optimizer state moves over.
+    """
+    for st in states:
+        st.buffer, st.views = None, []
+        if getattr(st.layout, "received", None) is not None:
+            st.layout.received = None
+
+
 class GradSync:
     """Average gradients over data-parallel ranks, overlapping the reduction with backward.
 
@@ -242,6 +258,7 @@ class GradSync:
         # every rank. The hooks find the new buckets through _where; the old buffers are released.
         if [b.names for b in plan] != [b.names for b in self.buckets]:
             previous, self.buckets = self._states, plan
+            release_wire_buffers(previous)
             self._build_states(previous)
             self._reset_step()
             logger.info("GradSync: buckets re-planned (%d buckets, cap %s MiB)", len(plan), self._planner.planned_mb)

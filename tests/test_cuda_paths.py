@@ -1,0 +1,158 @@
+"""CPU checks of the CUDA/NCCL paths (issue 29): what only a GPU shows, read through fakes."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hfstream import streams
+from hfstream.gradsync.sharded import ShardedReduction
+
+
+def _packed_bucket(n_params=3):
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(n_params)]
+    for p in params:
+        p.grad = torch.randn(4)
+    buffer = torch.zeros(4 * n_params)
+    views = [buffer[4 * i:4 * (i + 1)] for i in range(n_params)]
+    return SimpleNamespace(params=params, views=views, plan=SimpleNamespace(names=[str(i) for i in range(n_params)]))
+
+
+def test_sharded_pack_on_a_side_stream_records_each_gradient_before_freeing_it(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(streams, "record_stream", lambda t, s: recorded.append((t, s)))
+    st = _packed_bucket()
+    grads = [p.grad for p in st.params]
+    side = object()   # stands for a torch.cuda.Stream: pack only hands it on
+    ShardedReduction.pack(SimpleNamespace(wiring=SimpleNamespace(world_size=2)), st, side)
+    assert [id(t) for t, _ in recorded] == [id(g) for g in grads]
+    assert all(s is side for _, s in recorded)
+    assert all(p.grad is None for p in st.params)
+    torch.testing.assert_close(st.views[0], grads[0] / 2)
+
+
+def test_sharded_pack_on_the_current_stream_records_nothing(monkeypatch):
+    recorded = []
+    monkeypatch.setattr(streams, "record_stream", lambda t, s: recorded.append((t, s)))
+    st = _packed_bucket()
+    ShardedReduction.pack(SimpleNamespace(wiring=SimpleNamespace(world_size=2)), st, None)
+    assert recorded == []
+
+
+def test_shard_state_reads_per_parameter_state_without_a_host_read_per_piece(monkeypatch):
+    from hfstream.gradsync import shard_state
+    tensors = [torch.zeros(2) for _ in range(3)]
+    pieces = [SimpleNamespace(slot=i) for i in range(3)]
+    sh = SimpleNamespace(params=tensors, pieces=pieces, tensors=tensors, master=torch.zeros(1))
+    opt = SimpleNamespace(state={t: {"step": torch.tensor(float(i + 5))} for i, t in enumerate(tensors)})
+    monkeypatch.setattr(shard_state.dist, "all_reduce", lambda *a, **k: None)
+    reads = []
+    real_float = torch.Tensor.__float__
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(t) or real_float(t))
+    has, values = shard_state._param_values(opt, sh, ["step"], group=None)
+    assert has == [True, True, True] and values["step"] == [5.0, 6.0, 7.0]
+    assert reads == []   # one .tolist() for the table, no float() per piece
+
+
+def _pieces_of(full_grads, cuts):
+    """Each full gradient cut into `cuts` slices, as the sharded optimizer's piece tensors hold them."""
+    pieces = []
+    for g in full_grads:
+        for chunk in g.flatten().chunk(cuts):
+            t = torch.zeros_like(chunk)
+            t.grad = chunk.clone()
+            pieces.append(t)
+    return pieces
+
+
+@pytest.mark.parametrize("cuts", [1, 7])
+def test_sharded_clip_takes_one_fused_norm_call_whatever_the_number_of_pieces(monkeypatch, cuts):
+    from hfstream.gradsync import shard_optim
+    monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
+    calls = {"foreach": 0, "vector": 0}
+    real_foreach, real_vector = torch._foreach_norm, torch.linalg.vector_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.__setitem__("foreach", calls["foreach"] + 1)
+                        or real_foreach(*a, **k))
+    monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: calls.__setitem__("vector", calls["vector"] + 1)
+                        or real_vector(*a, **k))
+    full = [torch.randn(30), torch.randn(5, 4)]
+    shard_optim.clip_grad_norm_(_pieces_of(full, cuts), group=None, max_norm=0.1)
+    assert calls["foreach"] == 1
+    # stock clip_grads_with_norm_ takes no norm; none is taken per piece here
+    assert calls["vector"] == 0
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])   # above and below the gradient's norm
+def test_sharded_clip_matches_stock_clip_grad_norm_on_the_whole_gradient(monkeypatch, max_norm):
+    from hfstream.gradsync import shard_optim
+    monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
+    torch.manual_seed(0)
+    full = [torch.randn(300), torch.randn(17, 9)]
+    whole = [torch.zeros_like(g) for g in full]
+    for t, g in zip(whole, full):
+        t.grad = g.clone()
+    stock = torch.nn.utils.clip_grad_norm_(whole, max_norm)
+    pieces = _pieces_of(full, 5)
+    ours = shard_optim.clip_grad_norm_(pieces, group=None, max_norm=max_norm)
+    # The norm is summed in float64 over slices (layout-independent), stock in float32 per
+    # parameter: equal to float32's rounding, not bitwise.
+    torch.testing.assert_close(ours, stock, rtol=2e-7, atol=0)
+    got = torch.cat([t.grad for t in pieces])
+    want = torch.cat([t.grad.flatten() for t in whole])
+    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+    if max_norm > 1e2:
+        assert torch.equal(got, torch.cat([g.flatten() for g in full]))   # not clipped: left exactly as it was
+
+
+class _FakeNCCL:
+    class Options:
+        is_high_priority_stream = None
+        _timeout = None
+
+
+def _group_choice(monkeypatch, backend, priority, grad_sync):
+    import torch.distributed as dist
+
+    from hfstream.data_parallel import gradient_group
+    made = []
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", _FakeNCCL, raising=False)
+    monkeypatch.setattr(dist, "new_group", lambda **kw: made.append(kw) or "own group")
+    args = SimpleNamespace(comm_stream_priority=priority, grad_sync=grad_sync, ddp_timeout=60)
+    return gradient_group(args), made
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])
+def test_sharded_gets_its_own_nccl_group_at_normal_priority(monkeypatch, backend):
+    group, made = _group_choice(monkeypatch, backend, "normal", "sharded")
+    assert group == "own group" and len(made) == 1
+    assert made[0]["backend"] == "nccl" and made[0]["pg_options"].is_high_priority_stream is False
+
+
+def test_a_mixed_backend_still_gets_the_high_priority_group(monkeypatch):
+    group, made = _group_choice(monkeypatch, "cpu:gloo,cuda:nccl", "high", "overlap")
+    assert group == "own group" and made[0]["pg_options"].is_high_priority_stream is True
+
+
+@pytest.mark.parametrize("backend,grad_sync", [("nccl", "overlap"), ("gloo", "sharded")])
+def test_overlap_at_normal_priority_and_gloo_keep_the_default_group(monkeypatch, backend, grad_sync):
+    group, made = _group_choice(monkeypatch, backend, "normal", grad_sync)
+    assert group is None and made == []
+
+
+def test_a_replan_drops_the_old_plans_wire_buffers_before_the_new_plan_builds_its_own():
+    from hfstream.gradsync.sync import GradSync
+    old = [SimpleNamespace(buffer=torch.zeros(8), views=[torch.zeros(4)],
+                           layout=SimpleNamespace(received=torch.zeros(8))),
+           SimpleNamespace(buffer=torch.zeros(8), views=[], layout=[True])]   # AllReduce's layout: a list
+    seen = []
+
+    def build(previous):
+        seen.append([(st.buffer, st.views, getattr(st.layout, "received", None)) for st in previous])
+
+    fake = SimpleNamespace(buckets=[SimpleNamespace(names=["a"])], _states=old, _build_states=build,
+                           _reset_step=lambda: None, _planner=SimpleNamespace(planned_mb=1))
+    GradSync._replan(fake, [SimpleNamespace(names=["b"])])
+    assert seen == [[(None, [], None), (None, [], None)]]
