@@ -10,7 +10,8 @@ class's constructor arguments from its ``defaults``.
 
 Only an optimizer whose update is elementwise gives the unsharded result on pieces: one that
 looks at a parameter's shape (Adafactor factors its second moment by rows and columns) or at
-all of it (LAMB's trust ratio, Muon's orthogonalisation) is refused by name (`ELEMENTWISE`).
+all of it (LAMB's trust ratio, Muon's orthogonalisation) is refused by name (`ELEMENTWISE`); an
+optimizer of one's own is accepted once its class declares ``hfstream_elementwise = True``.
 
 `clip_grad_norm_` gives the result of ``torch.nn.utils.clip_grad_norm_`` on the full mean
 gradient from the slices: each rank's local norm, one scalar all-reduce, the same coefficient
