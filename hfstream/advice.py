@@ -58,6 +58,9 @@ class RunFacts:
         spare_cores: cores per rank left beside the compute (CPU training: the cores less the
             compute threads of this node's ranks): a producer that needs a core of its own
             (prefetch thread, workers) gains nothing without one.
+        loadavg_1min / cores: the machine's 1-minute load average when the run ended, and its
+            cores; above the bench's `LOADED_PER_CORE` x cores every prediction is marked
+            unreliable (other work took compute time from the measured parts).
     """
 
     grad_sync: str | None
@@ -73,6 +76,8 @@ class RunFacts:
     plan: Callable[[float], list[int]] | None = field(default=None, repr=False)
     cores_per_rank: int = 1
     spare_cores: float = 1.0
+    loadavg_1min: float = math.nan
+    cores: int = 1
 
 
 @dataclass
@@ -177,7 +182,21 @@ def advise(mean: dict, facts: RunFacts) -> list[dict]:
         if a["setting"] not in seen:
             seen.add(a["setting"])
             best.append(a)
+    load = _load(facts)
+    for a in best:
+        a["load"] = load
     return best
+
+
+def _load(facts: RunFacts) -> dict:
+    """The machine's load when the run ended, and whether it makes the predictions unreliable."""
+    from .tools.bench.summary import LOADED_PER_CORE   # the bench's threshold: one constant, one place
+
+    limit = LOADED_PER_CORE * max(1, facts.cores)
+    load = facts.loadavg_1min
+    known = isinstance(load, (int, float)) and not math.isnan(load)
+    return {"loadavg_1min": round(load, 2) if known else None, "cores": facts.cores, "limit": limit,
+            "unreliable": bool(known and load > limit)}
 
 
 def _advice(setting: str, value, predicted: float, reason: str, changes_results: bool = False) -> dict:
@@ -324,4 +343,5 @@ def facts_from_trainer(trainer) -> RunFacts:
         gradient_accumulation_steps=int(args.gradient_accumulation_steps),
         bucket_mb=bucket_mb, auto_bucket=getattr(args, "grad_bucket_mb", None) == "auto",
         wire_element_bytes=wire, grad_element_bytes=elem, backend=backend, plan=plan,
-        cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)), spare_cores=spare)
+        cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)), spare_cores=spare,
+        loadavg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan, cores=os.cpu_count() or 1)

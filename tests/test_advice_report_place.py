@@ -64,3 +64,47 @@ def test_doctor_on_a_folder_of_several_reports_lists_them_and_says_which_it_read
     assert f"2 step reports under {tmp_path}" in out
     assert out.index(str(paths[0])) < out.index(str(paths[1]))
     assert f"reading the newest: {paths[1]}" in out
+
+
+# -- the advice as printed ------------------------------------------------------------------------
+def _entry(**kw):
+    return {"setting": "dataloader_num_workers", "value": 3, "predicted_step_ms": 30.0, "changes_results": False,
+            "reason": "the producer holds the GIL while it builds each batch, so a thread beside the step slows "
+                      "the step's own Python as much as it hides; worker processes each have their own "
+                      "interpreter and a core of their own", **kw}
+
+
+def test_advice_lines_fit_100_columns_with_the_reason_wrapped_under_the_setting():
+    from hfstream.report_format import ADVICE_WIDTH, format_advice
+
+    (text,) = format_advice([_entry()])
+    lines = text.splitlines()
+    assert ADVICE_WIDTH == 100 and len(lines) >= 3, lines
+    assert lines[0] == "  advice: set dataloader_num_workers=3 (predicted 30.00 ms)"
+    assert all(len(line) <= 100 for line in lines) and all(line.startswith("      ") for line in lines[1:])
+    assert " ".join(line.strip() for line in lines[1:]) == _entry()["reason"]
+
+
+def test_a_loaded_machine_marks_the_advice_unreliable_with_the_bench_threshold():
+    from hfstream.advice import RunFacts, advise
+    from hfstream.report_format import format_advice
+    from hfstream.tools.bench.summary import LOADED_PER_CORE
+
+    mean = dict(data_wait_ms=40, forward_ms=10, backward_ms=15, optimizer_ms=5, exposed_comm_ms=0,
+                comm_busy_ms=float("nan"), step_ms=70)
+    quiet = advise(mean, RunFacts(grad_sync=None, prefetch_depth=0, loadavg_1min=LOADED_PER_CORE * 2, cores=2))
+    loaded = advise(mean, RunFacts(grad_sync=None, prefetch_depth=0, loadavg_1min=LOADED_PER_CORE * 2 + 0.5,
+                                   cores=2))
+    assert quiet[0]["load"] == {"loadavg_1min": 2.5, "cores": 2, "limit": 2.5, "unreliable": False}
+    assert loaded[0]["load"]["unreliable"] and loaded[0]["load"]["loadavg_1min"] == 3.0
+    assert "unreliable" not in format_advice(quiet)[0]
+    assert "unreliable: the machine was loaded (1-minute load 3.0 on 2 cores, above 2.5)" in \
+        " ".join(format_advice(loaded)[0].split())
+
+
+def test_one_rank_reads_one_rank():
+    from hfstream.report_format import format_report
+
+    one = format_report({"mean": {"steps": 3, "step_ms": 1.0}, "per_rank": [{"step_ms": 1.0}]}).splitlines()[0]
+    two = format_report({"mean": {"steps": 3, "step_ms": 1.0}, "per_rank": [{}, {}]}).splitlines()[0]
+    assert one.endswith(", 1 rank)") and two.endswith(", 2 ranks)")
