@@ -188,6 +188,11 @@ def advise(mean: dict, facts: RunFacts) -> list[dict]:
     return best
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 bucket``, ``3 buckets``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def _load(facts: RunFacts) -> dict:
     """The machine's load when the run ended, and whether it makes the predictions unreliable."""
     from .tools.bench.summary import LOADED_PER_CORE   # the bench's threshold: one constant, one place
@@ -265,7 +270,7 @@ def _comm_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
         out.append(_advice(
             "grad_bucket_mb", best[0], predicted(best[1]),
             f"{_say(exposed)} of the {_say(parts.step)} step waited for communication ({_say(parts.busy)} busy) "
-            f"with {len(current)} bucket(s) of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
+            f"with {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
             f"link less after backward (or 'auto' tunes it in the first steps)"))
     # The other mode: overlap <-> sharded (the optimizer then steps 1/N of the parameters, or all).
     if mode in ("overlap", "sharded"):

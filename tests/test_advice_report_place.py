@@ -108,3 +108,21 @@ def test_one_rank_reads_one_rank():
     one = format_report({"mean": {"steps": 3, "step_ms": 1.0}, "per_rank": [{"step_ms": 1.0}]}).splitlines()[0]
     two = format_report({"mean": {"steps": 3, "step_ms": 1.0}, "per_rank": [{}, {}]}).splitlines()[0]
     assert one.endswith(", 1 rank)") and two.endswith(", 2 ranks)")
+
+
+def test_one_bucket_reads_one_bucket():
+    from hfstream.advice import RunFacts, advise
+
+    mean = dict(data_wait_ms=1, forward_ms=70, backward_ms=115, optimizer_ms=29, exposed_comm_ms=234,
+                comm_busy_ms=234, step_ms=455)
+    total = 28_000_000
+
+    def reason(cap):   # GradSync's planner by hand: one bucket from 64 MiB up, else cap-sized ones
+        plan = lambda c: [total] if c >= 64 else [int(c * 2**20)] * max(1, int(total / (c * 2**20)))  # noqa: E731
+        advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=cap, plan=plan))
+        return next(a["reason"] for a in advice if a["setting"] == "grad_bucket_mb")
+
+    assert "with 1 bucket of at most 64 MiB" in reason(64.0)
+    from hfstream.advice import _count
+
+    assert (_count(1, "bucket"), _count(6, "bucket")) == ("1 bucket", "6 buckets")
