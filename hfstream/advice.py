@@ -58,6 +58,9 @@ class RunFacts:
         spare_cores: cores per rank left beside the compute (CPU training: the cores less the
             compute threads of this node's ranks): a producer that needs a core of its own
             (prefetch thread, workers) gains nothing without one.
+        loadavg_1min / cores: the machine's 1-minute load average when the run ended, and its
+            cores; above the bench's `LOADED_PER_CORE` x cores every prediction is marked
+            unreliable (other work took compute time from the measured parts).
     """
 
     grad_sync: str | None
@@ -73,6 +76,8 @@ class RunFacts:
     plan: Callable[[float], list[int]] | None = field(default=None, repr=False)
     cores_per_rank: int = 1
     spare_cores: float = 1.0
+    loadavg_1min: float = math.nan
+    cores: int = 1
 
 
 @dataclass
@@ -177,7 +182,26 @@ def advise(mean: dict, facts: RunFacts) -> list[dict]:
         if a["setting"] not in seen:
             seen.add(a["setting"])
             best.append(a)
+    load = _load(facts)
+    for a in best:
+        a["load"] = load
     return best
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 bucket``, ``3 buckets``."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _load(facts: RunFacts) -> dict:
+    """The machine's load when the run ended, and whether it makes the predictions unreliable."""
+    from .tools.bench.summary import LOADED_PER_CORE   # the bench's threshold: one constant, one place
+
+    limit = LOADED_PER_CORE * max(1, facts.cores)
+    load = facts.loadavg_1min
+    known = isinstance(load, (int, float)) and not math.isnan(load)
+    return {"loadavg_1min": round(load, 2) if known else None, "cores": facts.cores, "limit": limit,
+            "unreliable": bool(known and load > limit)}
 
 
 def _advice(setting: str, value, predicted: float, reason: str, changes_results: bool = False) -> dict:
@@ -246,7 +270,7 @@ def _comm_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
         out.append(_advice(
             "grad_bucket_mb", best[0], predicted(best[1]),
             f"{_say(exposed)} of the {_say(parts.step)} step waited for communication ({_say(parts.busy)} busy) "
-            f"with {len(current)} bucket(s) of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
+            f"with {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
             f"link less after backward (or 'auto' tunes it in the first steps)"))
     # The other mode: overlap <-> sharded (the optimizer then steps 1/N of the parameters, or all).
     if mode in ("overlap", "sharded"):
@@ -324,4 +348,5 @@ def facts_from_trainer(trainer) -> RunFacts:
         gradient_accumulation_steps=int(args.gradient_accumulation_steps),
         bucket_mb=bucket_mb, auto_bucket=getattr(args, "grad_bucket_mb", None) == "auto",
         wire_element_bytes=wire, grad_element_bytes=elem, backend=backend, plan=plan,
-        cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)), spare_cores=spare)
+        cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)), spare_cores=spare,
+        loadavg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan, cores=os.cpu_count() or 1)

@@ -1,8 +1,12 @@
 """The step report on disk, and `hfstream doctor`: read a run's report back and say what to change.
 
-StreamTrainer writes ``output_dir/stream_report.json`` at the end of `train()` (rank 0; the
-report of every rank, its spans and its advice, strict JSON). ``hfstream doctor PATH`` prints
-that report as the run printed it, with its advice, for a run directory or the file itself.
+StreamTrainer writes ``stream_report.json`` at the end of `train()` (rank 0; the report of every
+rank, its spans and its advice, strict JSON) inside the checkpoint folder of the step training
+ended on (``output_dir/checkpoint-N/``), so that ``output_dir`` holds exactly what the stock
+Trainer leaves there and the report rotates with the checkpoint it describes. A run that saved no
+checkpoint at its last step (``save_strategy="no"``) gets it in ``output_dir`` itself.
+``hfstream doctor PATH`` prints that report as the run printed it, with its advice, for a run
+directory (the newest report below it) or the file itself.
 """
 
 from __future__ import annotations
@@ -14,25 +18,39 @@ from pathlib import Path
 REPORT_FILE = "stream_report.json"
 
 
-def write_report(report, output_dir) -> Path:
-    """Write ``report`` (a `StreamReport`) to ``output_dir/stream_report.json``; returns the path."""
-    path = Path(output_dir) / REPORT_FILE
+def report_dir(output_dir, step: int | None = None) -> Path:
+    """Where a run's report goes: ``output_dir/checkpoint-<step>`` if that checkpoint exists, else ``output_dir``."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if step is not None:
+        checkpoint = Path(output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if checkpoint.is_dir():
+            return checkpoint
+    return Path(output_dir)
+
+
+def write_report(report, output_dir, step: int | None = None) -> Path:
+    """Write ``report`` (a `StreamReport`) to `report_dir` ``(output_dir, step)``; returns the path."""
+    path = report_dir(output_dir, step) / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(report.to_json())
     return path
 
 
-def find_report(path) -> Path | None:
-    """The report a user means by ``path``: the file, ``path/stream_report.json``, or the newest one below."""
+def find_reports(path) -> list[Path]:
+    """Every report ``path`` holds, oldest first (by modification time): the file itself, or those below it."""
     p = Path(path)
     if p.is_file():
-        return p
-    if (p / REPORT_FILE).is_file():
-        return p / REPORT_FILE
+        return [p]
     if p.is_dir():
-        found = sorted(p.rglob(REPORT_FILE), key=lambda f: f.stat().st_mtime)
-        return found[-1] if found else None
-    return None
+        return sorted(p.rglob(REPORT_FILE), key=lambda f: (f.stat().st_mtime, str(f)))
+    return []
+
+
+def find_report(path) -> Path | None:
+    """The report a user means by ``path``: the file, or the newest one at or below the directory."""
+    found = find_reports(path)
+    return found[-1] if found else None
 
 
 def load_report(path):
@@ -44,11 +62,14 @@ def load_report(path):
     """
     from .timeline import StreamReport
 
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path} does not exist: pass a run's output_dir or its {REPORT_FILE}")
     file = find_report(path)
     if file is None:
         raise FileNotFoundError(
-            f"no step report at {path}: pass a run's output_dir (StreamTrainer writes {REPORT_FILE} there at the "
-            f"end of train(), with stream_report=True, the default) or the {REPORT_FILE} file itself")
+            f"no step report at {path}: pass a run's output_dir (StreamTrainer writes {REPORT_FILE} at the end of "
+            f"train(), with stream_report=True, the default, into its last checkpoint-N folder, or into "
+            f"output_dir when none was saved) or the {REPORT_FILE} file itself")
     try:
         data = json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -77,7 +98,14 @@ def doctor(path) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"hfstream doctor: {exc}", file=sys.stderr)
         return 2
-    print(f"{file}\n")
+    found = find_reports(path)
+    if len(found) > 1:
+        print(f"{len(found)} step reports under {path} (oldest first):")
+        for f in found:
+            print(f"  {f}")
+        print(f"reading the newest: {file}\n")
+    else:
+        print(f"{file}\n")
     print(str(report))
     if "advice" not in report:
         print("\n(this report predates advice: rerun with this hfstream to get it)")

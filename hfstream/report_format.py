@@ -8,6 +8,7 @@ the table: the ceiling's formula, the run's notes, and the report's ``advice`` w
 from __future__ import annotations
 
 import math
+import textwrap
 from typing import Any
 
 from .report_fields import FIELDS, SHARDED_ONLY
@@ -22,13 +23,31 @@ def _cell(value: Any, unit: str) -> str:
     return f"{100 * value:.1f} %" if unit == "ratio" else f"{value:.2f} ms"
 
 
+ADVICE_WIDTH = 100   # an advice line, and each line of its wrapped reason, fits this many columns
+
+
 def format_advice(advice: list[dict] | None) -> list[str]:
-    """One line per piece of advice: ``advice: set <setting>=<value>: <reason> (predicted <x> ms)``."""
+    """One entry per piece of advice, each at most `ADVICE_WIDTH` columns a line.
+
+    ``advice: set <setting>=<value> (predicted <x> ms)`` first, then the reason wrapped under it,
+    indented, and, where the machine was loaded when the run ended, a line saying the prediction
+    is unreliable and why (the load against the bench's limit).
+    """
     lines = []
     for a in advice or ():
         predicted = a.get("predicted_step_ms")
         tail = f" (predicted {predicted:.2f} ms)" if isinstance(predicted, (int, float)) else ""
-        lines.append(f"  advice: set {a.get('setting')}={a.get('value')}: {a.get('reason', '')}{tail}")
+        text = [f"  advice: set {a.get('setting')}={a.get('value')}{tail}"]
+        text += textwrap.wrap(str(a.get("reason", "")), ADVICE_WIDTH, initial_indent="      ",
+                              subsequent_indent="      ", break_on_hyphens=False)
+        load = a.get("load") or {}
+        if load.get("unreliable"):
+            text += textwrap.wrap(
+                f"unreliable: the machine was loaded (1-minute load {load.get('loadavg_1min')} on "
+                f"{load.get('cores')} cores, above {load.get('limit'):g}): other work took time from the "
+                f"measured parts; rerun on a quiet machine", ADVICE_WIDTH, initial_indent="      ",
+                subsequent_indent="      ", break_on_hyphens=False)
+        lines.append("\n".join(text))
     return lines
 
 
@@ -43,7 +62,7 @@ def format_report(report: dict[str, Any], title: str = "hfstream step report") -
     per_rank = report.get("per_rank") if isinstance(report.get("per_rank"), list) else None
     mean = report.get("mean", report)
     lines = [f"{title} (mean of {int(mean.get('steps', 0))} steps after warm-up"
-             + (f", {len(per_rank)} ranks)" if per_rank else ")")]
+             + (f", {len(per_rank)} rank{'s' if len(per_rank) != 1 else ''})" if per_rank else ")")]
     if per_rank:
         lines.append(f"  {'':<{LABEL_WIDTH}}{'mean':>{CELL_WIDTH}}"
                      + "".join(f"{'rank ' + str(i):>{CELL_WIDTH}}" for i in range(len(per_rank))))

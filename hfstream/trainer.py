@@ -542,7 +542,7 @@ class StreamTrainerMixin:
 
         self._report["advice"] = advise(self._report["mean"], facts_from_trainer(self))
         if self.is_world_process_zero():
-            path = write_report(self._report, self.args.output_dir)
+            path = write_report(self._report, self.args.output_dir, step=self.state.global_step)
             for line in format_advice(self._report["advice"]):
                 notice(logger, "%s (report: %s)", line.strip(), path)
 

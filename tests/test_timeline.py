@@ -202,8 +202,8 @@ def test_advice_is_printed_under_the_table():
               "advice": [{"setting": "prefetch_depth", "value": 2, "predicted_step_ms": 41.5,
                           "reason": "the step waited 9.0 ms for data"}]}
     lines = format_report(report).splitlines()
-    assert lines[-1] == "  advice: set prefetch_depth=2: the step waited 9.0 ms for data (predicted 41.50 ms)"
-    assert lines[-2] == "  note: a note" and "advice" not in format_report({"mean": report["mean"]})
+    assert lines[-2:] == ["  advice: set prefetch_depth=2 (predicted 41.50 ms)", "      the step waited 9.0 ms for data"]
+    assert lines[-3] == "  note: a note" and "advice" not in format_report({"mean": report["mean"]})
 
 
 # -- an accelerator's events, faked: resolve() never waits, spans share one reference -------------
