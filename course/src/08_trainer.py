@@ -340,7 +340,7 @@ show_run(out)
 # At the end of `train()` the report says what to change, when a change is predicted to save at
 # least 5 % of the step: `report["advice"]`, a list, best first, of `{"setting", "value",
 # "predicted_step_ms", "reason", "changes_results"}`, printed under the table as `advice: set
-# <setting>=<value>: ...`, written to `output_dir/stream_report.json` (`python -m hfstream doctor
+# <setting>=<value>: ...`, written to `stream_report.json` in the last checkpoint (or in `output_dir` without one) (`python -m hfstream doctor
 # OUTPUT_DIR` prints it again). Each prediction is the run's own measured parts put through a
 # model of the step (docs/design.md section 4, "Advice"). A prediction is a claim; measure it.
 #
