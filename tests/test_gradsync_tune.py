@@ -315,3 +315,14 @@ def test_auto_under_sharded_scores_and_says_whole_steps(monkeypatch, whole_step)
         assert "first gradient hook" not in said
     else:
         assert "first gradient hook to end of finish(), best of 2 steps" in said
+
+
+def test_the_sweep_stops_at_the_first_candidate_more_than_the_margin_above_the_best():
+    from hfstream.gradsync.tune import BucketTuner
+
+    t = BucketTuner([1.0, 2.0, 4.0], [4, 2, 1], scored_steps=1)   # stop_margin 10%
+    _feed(t, [[10.0], [11.5]])                                     # 15% above the best: stop
+    assert t.done and t.scores_ms == [10.0, 11.5] and t.decide().bucket_mb == 1.0
+    t = BucketTuner([1.0, 2.0, 4.0], [4, 2, 1], scored_steps=1)
+    _feed(t, [[10.0], [10.5]])                                     # 5% above: go on
+    assert not t.done
