@@ -9,6 +9,7 @@ pending, while the parameters come out equal.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -34,7 +35,7 @@ class RecordingSGD(torch.optim.SGD):
         return raw(self, closure)
 
 
-def pipelined(rank, world_size, closure):
+def pipelined(rank, world_size, closure, root_waits=False):
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     sync = GradSync(model, mode="sharded", bucket_mb=0)   # one bucket per parameter
@@ -51,17 +52,33 @@ def pipelined(rank, world_size, closure):
         opt.step()
     record = list(opt.record)
     after = sorted(sync.params_pending)
+    # The next forward waits layer by layer: when the first layer runs (this hook is registered
+    # after GradSync's wait), only its own buckets have been waited for.
+    per_layer = []
+    handles = [layer.register_forward_pre_hook(lambda m, a, i=i: per_layer.append(len(sync.params_pending)))
+               for i, layer in enumerate(model)]
+    if root_waits:   # the hand-made mutant: wait for every gather at the root
+        handles.append(model.register_forward_pre_hook(lambda m, a: sync.wait_for_params(), prepend=True))
+    out = model(x)
+    for handle in handles:
+        handle.remove()
     sync.wait_for_params()
-    return {"record": record, "after": after, "num_buckets": len(sync.buckets),
-            "params": [p.detach().clone() for p in model.parameters()]}
+    return {"record": record, "after": after, "num_buckets": len(sync.buckets), "per_layer": per_layer,
+            "params": [p.detach().clone() for p in model.parameters()], "out": out.detach()}
 
 
 def both(rank, world_size):
-    return pipelined(rank, world_size, False), pipelined(rank, world_size, True)
+    return (pipelined(rank, world_size, False), pipelined(rank, world_size, True),
+            pipelined(rank, world_size, False, root_waits=True))
 
 
-def test_gathers_are_launched_inside_the_step_bucket_by_bucket():
-    for piecewise, whole in run_on_ranks(both, 2, timeout=60):
+@pytest.fixture(scope="module")
+def runs():
+    return run_on_ranks(both, 2, timeout=90)
+
+
+def test_gathers_are_launched_inside_the_step_bucket_by_bucket(runs):
+    for piecewise, whole, _ in runs:
         n = piecewise["num_buckets"]
         assert n > 1
         stepped = [(k, pending) for k, pending in piecewise["record"] if k]
@@ -74,3 +91,12 @@ def test_gathers_are_launched_inside_the_step_bucket_by_bucket():
         assert [(k, p) for k, p in whole["record"] if k] == [(whole["record"][0][0], [])]
         for a, b in zip(piecewise["params"], whole["params"], strict=True):
             assert torch.equal(a, b)
+
+
+def test_the_next_forward_waits_bucket_by_bucket_later_buckets_still_in_flight(runs):
+    for piecewise, _, root in runs:
+        n = piecewise["num_buckets"]
+        per_layer = piecewise["per_layer"]   # one Linear = two buckets (weight, bias)
+        assert per_layer == [n - 2 * (i + 1) for i in range(4)], per_layer
+        assert root["per_layer"] == [0, 0, 0, 0]   # the mutant: everything waited at the root
+        assert torch.equal(piecewise["out"], root["out"])
