@@ -51,7 +51,11 @@ def _truncate(path: Path) -> None:
 
 
 def test_an_intact_checkpoint_passes(tmp_path):
-    check_checkpoint(_checkpoint(tmp_path))
+    ckpt = _checkpoint(tmp_path)
+    assert check_checkpoint(ckpt) is None
+    _truncate(ckpt / "model.safetensors")   # the same folder, damaged: the check did look at it
+    with pytest.raises(CheckpointError):
+        check_checkpoint(ckpt)
 
 
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "trainer_state.json"])

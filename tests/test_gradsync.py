@@ -383,6 +383,7 @@ def test_launch_order_is_plan_order_on_every_rank(behaviour):
     assert r0["arrival"] != r1["arrival"], "precondition: gradients must arrive in a different order per rank"
     expected = [n + 1 for n in r0["plan_numel"]]
     assert r0["launched_numel"] == r1["launched_numel"] == expected
+    assert r0["grads"] and set(r0["grads"]) == set(r1["grads"])
     for name, g in r0["grads"].items():
         assert torch.equal(g, r1["grads"][name])
 
@@ -490,7 +491,7 @@ def test_world_size_one_does_nothing():
     plain = copy.deepcopy(model)
     with GradSync(model, bucket_mb=0) as sync:
         assert sync.world_size == 1
-        assert all(not getattr(p, "_post_accumulate_grad_hooks", None) for p in model.parameters())   # no hooks
+        assert all(not p._post_accumulate_grad_hooks for p in model.parameters())   # no hooks (a rename fails here)
         batch = mlp_batch(0)
         mlp_loss(model, batch).backward()
         mlp_loss(plain, batch).backward()
@@ -593,5 +594,6 @@ def test_gradients_are_views_of_the_bucket_buffers_where_the_wire_has_their_dtyp
     for out in ranks:
         assert out["fp32"]["separate_bytes"] == 0                                 # held once: in the buckets
         assert out["bf16"]["separate_bytes"] == out["bf16"]["grad_bytes"]      # bf16 wire: fp32 .grad of their own
-    for a, b in zip(ranks[0]["fp32"]["means"], ranks[1]["fp32"]["means"]):    # and they are the mean
+    assert ranks[0]["fp32"]["means"] and len(ranks[0]["fp32"]["means"]) == len(ranks[1]["fp32"]["means"])
+    for a, b in zip(ranks[0]["fp32"]["means"], ranks[1]["fp32"]["means"], strict=True):    # and they are the mean
         assert torch.equal(a, b)

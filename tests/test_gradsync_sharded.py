@@ -144,7 +144,11 @@ def train_parity(rank, world_size, *, bucket_mb, kind="sgd", accum=1, comm_dtype
     sync = GradSync(model, mode="sharded", bucket_mb=bucket_mb, comm_dtype=comm_dtype)
     opt = sync.shard_optimizer(opt)
     sched = make_scheduler(opt)
-    out = {"norms": [], "ref_norms": [], "trace": [], "ref_trace": [], "num_buckets": len(sync.buckets)}
+    out = {"norms": [], "ref_norms": [], "trace": [], "ref_trace": [], "num_buckets": len(sync.buckets),
+           "gathering_at_step": []}
+    # Registered after GradSync's pre-hook: which path the step took. Bucket by bucket, every
+    # all-gather is already in flight when the step proper runs; in one call, none is yet.
+    opt.register_step_pre_hook(lambda *_: out["gathering_at_step"].append(len(sync.params_pending)))
     if ref is not None:
         ref_sched = make_scheduler(ref_opt)
     for step in range(STEPS):
@@ -229,6 +233,10 @@ def test_stepping_bucket_by_bucket_is_exactly_the_one_call_step(parity, config):
     for rank in (0, 1):
         piecewise, whole = parity[rank][config], parity[rank][f"{config}_one_call"]
         assert piecewise["num_buckets"] > 1
+        # the two runs really took the two paths (not one path compared with itself)
+        assert piecewise["gathering_at_step"] == [piecewise["num_buckets"]] * STEPS
+        assert whole["gathering_at_step"] == [0] * STEPS
+        assert whole["final"] and set(piecewise["final"]) == set(whole["final"])
         for name, value in whole["final"].items():
             assert torch.equal(piecewise["final"][name], value), f"{config} rank {rank}: {name}"
 

@@ -232,3 +232,97 @@ def test_sharded_auto_scores_the_whole_step_overlap_from_its_first_gradient(monk
     cap.step_started(torch.zeros(1))
     cap.step_finished()
     assert scores == [pytest.approx(want_ms)]
+
+
+# -- the sharded choice: median of more steps, a tie within the noise to the larger cap (fake scores) --
+
+
+def _feed(tuner, per_candidate):
+    for steps in per_candidate:
+        for ms in [0.0] * tuner.warmup_steps + list(steps):   # warm-up steps are not scored
+            tuner.observe(ms)
+
+
+def test_the_median_rule_scores_a_candidate_by_its_median_step_not_its_best():
+    from hfstream.gradsync.tune import BucketTuner
+
+    median = BucketTuner([1.0, 2.0], [4, 2], scored_steps=5, statistic="median")
+    _feed(median, [[1.0, 9.0, 9.0, 9.0, 9.0], [5.0, 5.0, 5.0, 5.0, 5.0]])
+    assert median.scores_ms == [9.0, 5.0] and median.decide().bucket_mb == 2.0
+    best = BucketTuner([1.0, 2.0], [4, 2], scored_steps=5)   # the default: one lucky step wins
+    _feed(best, [[1.0, 9.0, 9.0, 9.0, 9.0], [5.0, 5.0, 5.0, 5.0, 5.0]])
+    assert best.scores_ms == [1.0, 5.0] and best.decide().bucket_mb == 1.0
+
+
+def test_a_tie_within_the_measured_noise_goes_to_the_larger_cap_and_a_clear_win_does_not():
+    from hfstream.gradsync.tune import BucketTuner
+
+    def tuned(per_candidate):
+        t = BucketTuner([1.0, 2.0, 4.0], [8, 4, 2], scored_steps=3, statistic="median", tie_within_noise=True,
+                        stop_margin=10.0)
+        _feed(t, per_candidate)
+        return t
+
+    # 1 MiB's median 10.0 is lowest, 4 MiB's 10.4 is within 4 MiB's noise (half its spread: 0.5)
+    t = tuned([[9.5, 10.0, 10.5], [12.0, 12.0, 12.0], [9.9, 10.4, 10.9]])
+    assert t.scores_ms == [10.0, 12.0, 10.4] and t.noise_ms == [0.5, 0.0, 0.5]
+    assert t.decide().bucket_mb == 4.0
+    # the same medians with steady steps (no noise): the lowest score wins
+    assert tuned([[10.0] * 3, [12.0] * 3, [10.4] * 3]).decide().bucket_mb == 1.0
+    # without the rule an exact tie goes to the smaller cap
+    plain = BucketTuner([1.0, 2.0], [4, 2], scored_steps=1)
+    _feed(plain, [[3.0], [3.0]])
+    assert plain.decide().bucket_mb == 1.0
+    tie = BucketTuner([1.0, 2.0], [4, 2], scored_steps=1, tie_within_noise=True)
+    _feed(tie, [[3.0], [3.0]])
+    assert tie.decide().bucket_mb == 2.0
+
+
+def test_noise_and_scores_are_both_agreed_across_ranks():
+    from hfstream.gradsync.tune import BucketTuner
+
+    agreed = []
+    t = BucketTuner([1.0], [1], agree=lambda v: agreed.append(v) or v + 1.0, scored_steps=3, statistic="median",
+                    tie_within_noise=True)
+    _feed(t, [[1.0, 2.0, 5.0]])
+    assert agreed == [2.0, 2.0] and t.scores_ms == [3.0] and t.noise_ms == [3.0]
+
+
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_auto_under_sharded_scores_and_says_whole_steps(monkeypatch, whole_step):
+    import hfstream.gradsync.tune as tune
+
+    notices = []
+    monkeypatch.setattr(tune, "notice", lambda _logger, msg, *args: notices.append(msg % args))
+
+    class Plan:
+        names = ("w",)
+
+    cap = tune.AutoBucketCap(lambda mb: [Plan()], None, torch.device("cpu"), whole_step=whole_step)
+    assert (cap.tuner.statistic, cap.tuner.scored_steps, cap.tuner.tie_within_noise) == (
+        ("median", 5, True) if whole_step else ("min", 2, False))
+    cap._slowest_rank = cap._rank0_pick = lambda v: v    # one process: nothing to agree with
+    cap.tuner.agree = cap._slowest_rank
+    cap._last_end = tune._mark(torch.device("cpu"))
+    result = None
+    while result is None:
+        cap.step_started(torch.zeros(1))
+        _, result = cap.step_finished()
+    assert len(notices) == 1
+    said = notices[0]
+    if whole_step:
+        assert "whole step: end of one finish() to the end of the next, median of 5 steps" in said
+        assert "first gradient hook" not in said
+    else:
+        assert "first gradient hook to end of finish(), best of 2 steps" in said
+
+
+def test_the_sweep_stops_at_the_first_candidate_more_than_the_margin_above_the_best():
+    from hfstream.gradsync.tune import BucketTuner
+
+    t = BucketTuner([1.0, 2.0, 4.0], [4, 2, 1], scored_steps=1)   # stop_margin 10%
+    _feed(t, [[10.0], [11.5]])                                     # 15% above the best: stop
+    assert t.done and t.scores_ms == [10.0, 11.5] and t.decide().bucket_mb == 1.0
+    t = BucketTuner([1.0, 2.0, 4.0], [4, 2, 1], scored_steps=1)
+    _feed(t, [[10.0], [10.5]])                                     # 5% above: go on
+    assert not t.done

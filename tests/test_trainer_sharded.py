@@ -68,6 +68,7 @@ def sharded_runs(tmp_path_factory):
 
 
 def _close(got, ref, what, rtol=1e-5, atol=1e-6):
+    assert ref and set(got) == set(ref), f"{what}: keys {sorted(set(got) ^ set(ref))} in one only"
     for k, v in ref.items():
         torch.testing.assert_close(got[k], v, rtol=rtol, atol=atol,
                                    msg=lambda m, k=k: f"{what}: {k}: {m}")

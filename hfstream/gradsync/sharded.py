@@ -299,7 +299,9 @@ class ShardedReduction(Reduction):
         """
         self.adopt_edits()
         self.waits.place()
-        closure = args[0] if args else kwargs.get("closure")
+        # A step pre-hook gets the wrapper's own args, the optimizer first (torch's
+        # ``profile_hook_step``): the closure, when passed positionally, is the second.
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")
         step = getattr(type(optimizer).step, "__wrapped__", None)
         if closure is not None or step is None:
             return

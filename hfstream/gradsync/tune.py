@@ -14,7 +14,11 @@ the time from the first gradient hook of the synchronised backward to the end of
 ``mode="sharded"`` they do (the next forward waits for the all-gathers bucket by bucket, the
 optimizer steps bucket by bucket), so there the score is the whole step, from the end of one
 ``finish()`` to the end of the next (``whole_step``). A rank's score for a candidate is the best of
-its scored steps (interference from other processes only ever adds time); the ranks agree on it
+its scored steps (interference from other processes only ever adds time). A whole step varies
+more (the data, the optimizer, the forward's waits), so under ``whole_step`` the score is the
+median of more scored steps (5), and a candidate within the measured noise of the best (half the
+spread of its scored steps, either one's) counts as a tie, which goes to the larger cap: fewer
+collectives for the same time. The ranks agree on scores and noise
 with a MAX all-reduce (a step is as slow as its slowest rank), so every rank holds the same
 scores; at the end rank 0 picks the lowest and broadcasts its pick. Every rank therefore switches
 to the same plan at the same step, even when their own timings would disagree.
@@ -31,6 +35,7 @@ rank at the same step: no gradient is lost or counted twice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -54,16 +59,18 @@ class TuningResult:
     Args:
         bucket_mb: the chosen cap in MiB.
         num_buckets: buckets in the chosen plan.
-        scores_ms: per candidate cap tried, its score in ms (best scored step of each rank, then
-            the slowest rank): time from the first gradient hook of backward to the end of
-            ``finish()``. Candidates after the early stop are absent.
+        scores_ms: per candidate cap tried, its score in ms (best scored step of each rank, or
+            the median under ``whole_step``; then the slowest rank). Candidates after the early
+            stop are absent.
         steps: synchronised steps that tuning took.
+        scored: what a score measures, in words (for the log).
     """
 
     bucket_mb: float
     num_buckets: int
     scores_ms: dict[float, float]
     steps: int
+    scored: str = "first gradient hook to end of finish(), best step, slowest rank"
 
 
 @dataclass
@@ -80,8 +87,14 @@ class BucketTuner:
         agree: this rank's score for a candidate -> the score all ranks agree on (GradSync: a
             MAX all-reduce); every rank must call it at the same step. Identity by default.
         warmup_steps: unscored steps after switching to a candidate (fresh buffers, caches).
-        scored_steps: scored steps per candidate; a rank's score is the best of them.
+        scored_steps: scored steps per candidate; a rank's score is the best of them (``"min"``)
+            or their median (``"median"``).
         stop_margin: stop once a candidate scores more than this fraction above the best one.
+        statistic: ``"min"`` or ``"median"``: a rank's score from its scored steps.
+        tie_within_noise: a candidate whose score is within the noise (half the spread of the
+            scored steps, the larger of the two candidates', agreed like the score) of the
+            lowest counts as a tie, and the tie goes to the larger cap. Otherwise the lowest
+            score wins, ties to the smaller cap.
     """
 
     candidates_mb: Sequence[float]
@@ -90,8 +103,11 @@ class BucketTuner:
     warmup_steps: int = 1
     scored_steps: int = 2
     stop_margin: float = 0.10
+    statistic: str = "min"
+    tie_within_noise: bool = False
     steps: int = 0
     scores_ms: list[float] = field(default_factory=list)   # agreed score per finished candidate
+    noise_ms: list[float] = field(default_factory=list)    # agreed noise per finished candidate
     done: bool = False
 
     def __post_init__(self):
@@ -100,6 +116,8 @@ class BucketTuner:
         if self.warmup_steps < 0 or self.scored_steps < 1 or not self.stop_margin >= 0:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0, scored_steps={self.scored_steps} >= 1 "
                              f"and stop_margin={self.stop_margin} >= 0")
+        if self.statistic not in ("min", "median"):
+            raise ValueError(f"statistic={self.statistic!r} must be 'min' or 'median'")
         self._local: list[float] = []   # this rank's scored steps for the current candidate
         self._within = 0                 # steps taken on the current candidate
 
@@ -128,24 +146,39 @@ class BucketTuner:
         if self._within < self.warmup_steps + self.scored_steps:
             return
         # The candidate is done: agree on its score (a collective, at this step on every rank).
-        score = float(self.agree(min(self._local)))
+        local = sorted(self._local)
+        mine = local[0] if self.statistic == "min" else _median(local)
+        score = float(self.agree(mine))
+        if self.tie_within_noise:
+            self.noise_ms.append(float(self.agree((local[-1] - local[0]) / 2)))
         best = min(self.scores_ms, default=score)
         self.scores_ms.append(score)
         self._local, self._within = [], 0
         if len(self.scores_ms) == len(self.candidates_mb) or score > best * (1 + self.stop_margin):
             self.done = True
 
+    def pick(self) -> int:
+        """Index of the chosen candidate from the agreed scores (see ``tie_within_noise``)."""
+        best = min(range(len(self.scores_ms)), key=self.scores_ms.__getitem__)
+        if not self.tie_within_noise:
+            return best
+        ties = [i for i in range(len(self.scores_ms))
+                if self.scores_ms[i] - self.scores_ms[best] <= max(self.noise_ms[i], self.noise_ms[best])]
+        return max(ties, key=self.candidates_mb.__getitem__)
+
     def decide(self, broadcast: Callable[[int], int] = int) -> TuningResult:
-        """The candidate with the lowest agreed score (ties to the smaller cap), as rank 0 picked
-        it: ``broadcast`` sends rank 0's index to every rank (GradSync: ``dist.broadcast``)."""
+        """The candidate `pick` chooses, as rank 0 picked it: ``broadcast`` sends rank 0's index
+        to every rank (GradSync: ``dist.broadcast``)."""
         if not self.done:
             raise RuntimeError("BucketTuner.decide() before tuning is done")
-        best = int(broadcast(min(range(len(self.scores_ms)), key=self.scores_ms.__getitem__)))
+        best = int(broadcast(self.pick()))
         return TuningResult(
             bucket_mb=float(self.candidates_mb[best]),
             num_buckets=int(self.num_buckets[best]),
             scores_ms={float(c): s for c, s in zip(self.candidates_mb, self.scores_ms)},
             steps=self.steps,
+            scored=(f"{'best' if self.statistic == 'min' else 'median'} of {self.scored_steps} steps, slowest rank"
+                    + (", a tie within the noise to the larger cap" if self.tie_within_noise else "")),
         )
 
     def __repr__(self) -> str:
@@ -173,11 +206,15 @@ def distinct_candidates(plan_for: Callable[[float], list], candidates_mb: Sequen
     return keep, counts
 
 
+def _median(sorted_values: list[float]) -> float:
+    n = len(sorted_values)
+    return sorted_values[n // 2] if n % 2 else (sorted_values[n // 2 - 1] + sorted_values[n // 2]) / 2
+
+
 def log_choice(result: TuningResult) -> None:
     scores = ", ".join(f"{c:g} MiB: {s:.1f} ms" for c, s in result.scores_ms.items())
     notice(logger, "GradSync: bucket_mb='auto' chose %g MiB (%d buckets) after %d synchronised steps; score per cap "
-                   "(first gradient hook to end of finish(), best step, slowest rank): %s",
-                   result.bucket_mb, result.num_buckets, result.steps, scores)
+                   "(%s): %s", result.bucket_mb, result.num_buckets, result.steps, result.scored, scores)
 
 
 class AutoBucketCap:
@@ -197,7 +234,13 @@ class AutoBucketCap:
     def __init__(self, plan_for: Callable[[float], list], group, device: torch.device, whole_step: bool = False):
         self.group, self.device, self.whole_step = group, device, whole_step
         caps, counts = distinct_candidates(plan_for, CANDIDATES_MB)
-        self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank)
+        if whole_step:   # a whole step: the median of more steps, a tie within the noise to the larger cap
+            self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank, scored_steps=5, statistic="median",
+                                     tie_within_noise=True)
+        else:
+            self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank)
+        self.scored = ("whole step: end of one finish() to the end of the next" if whole_step
+                       else "first gradient hook to end of finish()")
         self._start = None   # (host time, event or None, device) of the step's first synchronised hook
         self._last_end = None   # whole_step: (host time, event or None, device) at the end of the last finish()
 
@@ -217,6 +260,7 @@ class AutoBucketCap:
         if not self.tuner.done:
             return self.tuner.current_mb, None
         result = self.tuner.decide(broadcast=self._rank0_pick)
+        result = dataclasses.replace(result, scored=f"{self.scored}, {result.scored}")
         log_choice(result)
         return result.bucket_mb, result
 
