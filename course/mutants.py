@@ -123,6 +123,8 @@ def lesson_cells(lesson: str) -> list[tuple[CellSpec, list[str]]]:
 # --------------------------------------------------------------------------- the mutations
 def _sites(tree: ast.AST, lines: set[int]):
     """(node index in ast.walk order, kind, variant) of every change inside the solution lines."""
+    lists = {t.id for a in ast.walk(tree) if isinstance(a, ast.Assign) and _is_list(a.value, set())
+             for t in a.targets if isinstance(t, ast.Name)}
     for i, node in enumerate(ast.walk(tree)):
         if getattr(node, "lineno", None) not in lines:
             continue
@@ -162,8 +164,7 @@ def _sites(tree: ast.AST, lines: set[int]):
                     yield i, "reduceop", k
             if node.attr == "itemsize" and isinstance(node.ctx, ast.Load):
                 yield i, "dtype", 0
-        if isinstance(node, ast.Return) and node.value is not None and isinstance(
-                node.value, (ast.List, ast.ListComp, ast.Name, ast.Call)):
+        if isinstance(node, ast.Return) and _is_list(node.value, lists):
             yield i, "reverse", 0
         if isinstance(node, ast.stmt) and not isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Pass)):
             yield i, "drop", 0
@@ -171,6 +172,16 @@ def _sites(tree: ast.AST, lines: set[int]):
                    for c in ast.walk(node)) and not isinstance(node, (ast.For, ast.While, ast.If, ast.With)):
                 yield i, "wait", -1
                 yield i, "wait", 1
+
+
+def _is_list(value, names: set[str]) -> bool:
+    """A returned value that is a list (so reversing it changes the answer): a list display or
+    comprehension, ``sorted``/``list``/``reversed`` of something, or a name assigned one."""
+    if isinstance(value, (ast.List, ast.ListComp)):
+        return True
+    if isinstance(value, ast.Call) and isinstance(value.func, ast.Name):
+        return value.func.id in ("sorted", "list", "reversed")
+    return isinstance(value, ast.Name) and value.id in names
 
 
 def _body_of(tree: ast.AST, stmt: ast.stmt):
@@ -298,9 +309,23 @@ def mutants_of(cell: CellSpec) -> list[Mutant]:
 
 # --------------------------------------------------------------------------- grading
 def _namespace(cells: list[str]) -> dict:
+    """The names the cells define, each cell kept in linecache as a notebook cell is (so
+    `Learner.module_file` ships it whole). A statement that needs a name only a dropped call made
+    (``x = model.weight`` after ``model = train(...)``) is skipped; a def, class or import that
+    fails raises (the mutant broke it)."""
+    import linecache
+
     ns = run_cell(LEARNER_PREAMBLE)
-    for source in cells:
-        run_cell(keep_definitions(_strip_notebook_syntax(source)), ns)
+    for n, source in enumerate(cells):
+        text = keep_definitions(_strip_notebook_syntax(source))
+        filename = f"<course-mutant-cell-{id(ns)}-{n}>"
+        linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
+        for node in ast.parse(text).body:
+            try:
+                exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), ns)
+            except Exception:
+                if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Import, ast.ImportFrom)):
+                    raise
     return ns
 
 
