@@ -162,6 +162,8 @@ def test_sharded_step_right_answer_passes():
     (("    squares = g.double().pow(2).sum().reshape(1)\n    dist.all_reduce(squares)\n    norm = squares.sqrt().item()\n",
       "    local = g.norm().reshape(1)\n    dist.all_reduce(local)\n    norm = local.item()\n"),
      "sum of the ranks' norms"),
+    (("dist.all_reduce(squares)", "dist.all_reduce(squares, op=dist.ReduceOp.MAX)"),
+     "the all-reduce took the maximum over the ranks"),
     (("coef = min(1.0, max_norm / (norm + 1e-6))", "coef = max_norm / (norm + 1e-6)"), "scaled the gradient *up*"),
     (("flat_params[mine].add_(g, alpha=-lr * coef)", "flat_params.add_(grad_buffer, alpha=-lr * coef)"),
      "changed slices it does not own"),
