@@ -251,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("progress", help="show which exercises you have passed")
     if argv is None:
         argv = sys.argv[1:]
+    sub.add_parser("mutants", help="grade small changes of each solution with the checks (mutation testing)",
+                   add_help=False)
+    if argv and argv[0] == "mutants":
+        from course.mutants import main as mutants_main
+
+        return mutants_main(argv[1:])
     if argv and argv[0] == "build":
         from course.build import main as build_main
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from course import build as course_build
-from course.grading import check, run_cell
+from course.grading import check, get_exercise, run_cell
 from course.runner import grade_lesson, lessons
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,9 +111,12 @@ def test_solution_notebook_passes_every_check_with_a_figure(lesson):
 @pytest.mark.parametrize("lesson", _lessons(SLOW_UNTOUCHED))
 def test_untouched_student_notebook_fails_each_check_with_a_hint(lesson):
     grade = grade_lesson(lesson, "student", cell_timeout=120)
+    assert grade.exercises, f"lesson {lesson} graded no exercise"
     for e in grade.exercises:
         assert not e.passed, f"{e.exercise} passes with the stub: its check cannot fail"
-        assert e.messages, e.exercise
+        # The check ran: every case reported (a check cell that never ran has one canned message).
+        assert "the check cell did not run" not in e.messages, f"{e.exercise}: its check cell never ran"
+        assert e.cases == len(get_exercise(e.exercise).cases) and len(e.messages) == e.cases, (e.exercise, e.messages)
         for message in e.messages:
             assert len(message.split(": ", 1)[-1]) > 20, f"{e.exercise}: no hint in {message!r}"
 

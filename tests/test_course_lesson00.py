@@ -240,6 +240,7 @@ def test_untouched_student_exercises_fail_every_case_with_a_first_stage_hint():
     for exercise in lesson_exercises("00"):
         assert stub_message(exercise.id) in "\n".join(c.source for c in built.student.cells)
         results = check(exercise.id, namespace=ns, quiet=True)
+        assert len(results) == len(exercise.cases) > 0, (exercise.id, results)
         for r in results:
             assert not r.passed, f"{exercise.id}: {r.case} passes with the stub"
             assert len(r.message) > 40 and not r.reveal, (exercise.id, r.message, r.reveal)

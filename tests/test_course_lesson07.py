@@ -107,6 +107,17 @@ def test_forgetting_the_loss_scale_is_named():
     assert not results[2][0] and "divide each micro-batch loss by 4" in results[2][1]
 
 
+def test_syncing_the_first_micro_step_instead_of_the_last_is_named():
+    first = STEP_OK.replace("if k < n - 1 else", "if k > 0 else")
+    assert first != STEP_OK
+    results = messages("07.accumulation", learner(accum_source(step=first)))
+    assert results[1][0]                                   # still one all-reduce per parameter
+    passed, message = results[2]
+    assert not passed and "during micro-step 1's backward, not the last one's (4)" in message, message
+    assert "how much each micro-batch contributes" not in message
+    assert "nullcontext" not in message and "k < n - 1" not in message   # no code in the first stage
+
+
 def test_a_hook_that_ignores_the_flag_is_named():
     results = messages("07.accumulation", learner(accum_source(hook="""
         def _on_grad_ready(self, i, p):

@@ -301,7 +301,11 @@ def test_untouched_student_exercises_fail_every_case_with_a_first_stage_hint(mon
     for cell in built.student.cells:
         if cell.cell_type == "code" and "is yours to write" in cell.source:
             run_cell(cell.source.replace("from course.checks.lesson09 import THRESHOLD", "THRESHOLD = 0"), ns)
-    for exercise in lesson_exercises("09"):
-        for r in check(exercise.id, namespace=ns, quiet=True):
+    exercises = lesson_exercises("09")
+    assert [e.id for e in exercises] == ["09.scaling", "09.crossover", "09.final_challenge"]
+    for exercise in exercises:
+        results = check(exercise.id, namespace=ns, quiet=True)
+        assert len(results) == len(exercise.cases) > 0, (exercise.id, results)
+        for r in results:
             assert not r.passed, f"{exercise.id}: {r.case} passes with the stub"
             assert len(r.message) > 40 and not r.reveal, (exercise.id, r.message, r.reveal)

@@ -167,6 +167,34 @@ def _(learner):
     raise AssertionError(f"at cap {cap * MiB:.0f} bytes: got {got[cap]}, expected {want[cap]}")
 
 
+# The same model in bf16 (2 bytes an element) and in float64 (8 bytes). One dtype a model: DDP (and
+# hfstream) also close a bucket where the dtype changes, a rule this exercise leaves out.
+OTHER_DTYPES = (torch.bfloat16, torch.float64)
+
+
+@plan_ex.case("a parameter weighs its dtype's bytes (a bf16 model, a float64 model), not 4 per element",
+              hint="a gradient has its parameter's dtype: weigh each parameter by its elements times the bytes of "
+                   "its own element type, whatever the dtype", reveal="p.numel() * p.element_size()",
+              after="a bucket closes once it reaches the cap (bytes, MiB), never splitting a parameter")
+def _(learner):
+    caps = [608 / MiB, 1600 / MiB, 3000 / MiB]
+    for dtype in OTHER_DTYPES:
+        named = [(n, torch.zeros(s, dtype=dtype)) for n, s in SHAPES]
+        got = {cap: _normalise(learner.plan_buckets(named, cap), f"{dtype}, {cap:.6g}") for cap in caps}
+        want = {cap: _truth(named, cap) for cap in caps}
+        if got == want:
+            continue
+        as_float32 = [(n, t.numel() * 4) for n, t in named]
+        if all(got[cap] == _rule(as_float32, cap * MiB) for cap in caps):
+            raise Wrong(f"your plan weighs every element as 4 bytes (float32): a {dtype} gradient takes "
+                        f"{named[0][1].element_size()} bytes an element, so its buckets close at other parameters",
+                        reveal="p.numel() * p.element_size()")
+        cap = next(c for c in caps if got[c] != want[c])
+        raise AssertionError(f"with {dtype} parameters at cap {cap * MiB:.0f} bytes: got {got[cap]}, "
+                             f"expected {want[cap]}")
+    return f"a bf16 and a float64 model at {len(caps)} caps"
+
+
 # =============================================================================================
 # 06.bucketed_sync
 # =============================================================================================

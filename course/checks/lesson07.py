@@ -108,10 +108,13 @@ class _CountAllReduce:
 
     def __init__(self):
         self.calls = 0
+        self.micro_step = None      # set by the caller: the micro-step whose backward is running
+        self.micro_steps: list = []  # the micro-step of each call
         self._real = dist.all_reduce
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
+        self.micro_steps.append(self.micro_step)
         return self._real(*args, **kwargs)
 
     def install(self) -> "_CountAllReduce":
@@ -170,12 +173,19 @@ def _accumulation_rank(rank, world_size, path):
         before = [p.detach().clone() for p in model.parameters()]
         ref_before = [p.detach().clone() for p in ref.parameters()]
         calls = counter.calls
+        counter.micro_steps, counter.micro_step = [], -1
+
+        def loss_fn(m, batch):          # the k-th call is micro-step k: its backward follows it
+            counter.micro_step += 1
+            return mlp_loss(m, batch)
+
         try:
-            mod.accumulation_step(model, sync, opt, mine, mlp_loss)
+            mod.accumulation_step(model, sync, opt, mine, loss_fn)
         except Exception as e:   # report it; the peer fails on its own at the process-group timeout
             out["error"] = f"step {step}: {type(e).__name__}: {_last_line(e)}"
             break
         out["collectives"].append(counter.calls - calls)
+        out.setdefault("synced_at", []).append(sorted(set(counter.micro_steps)))
         mlp_loss(ref, (x, y)).backward()                    # the whole global batch, one process
         ref_opt.step()
         ref_opt.zero_grad()
@@ -256,6 +266,14 @@ def _(learner):
     res = _run_accumulation(learner)
     _accumulation_error(res)
     ratio, diff = res[0]["ratio"], res[0]["diff"]
+    synced = [at for r in res for at in r.get("synced_at", [])]
+    if synced and all(at and ACCUM - 1 not in at for at in synced):
+        first = synced[0][0] + 1
+        raise Wrong(f"your all-reduces run during micro-step {first}'s backward, not the last one's "
+                    f"({ACCUM}): they average only the gradients summed so far, and the micro-batches after "
+                    "it stay on their own rank, so the ranks step differently. Keep sync off for every "
+                    "micro-step but the last",
+                    reveal="with sync.no_sync() if k < n - 1 else contextlib.nullcontext(): ...")
     if ratio and math.isclose(ratio[0], ACCUM, rel_tol=0.05):
         raise Wrong(f"your step is {ratio[0]:.2f}x the large-batch step: the large batch's loss is the mean of the "
                     f"micro-batch losses, so divide each micro-batch loss by {ACCUM} (= len(micro_batches)) "

@@ -138,7 +138,13 @@ def _(learner):
                     f"needs only that bucket's slice", reveal=PIPE_REVEAL)
     want = [x for i in range(n) for x in (("step", i), ("gather", i))]
     if seq != want:
-        raise AssertionError(f"rank 0 ran {seq}; the pipelined order is {want}")
+        k = next(k for k, (a, b) in enumerate(zip(seq, want)) if a != b) if len(seq) == len(want) else None
+        if steps_before == 2 and seq[first_gather] == ("gather", 0):
+            raise Wrong("each gather left one step late: bucket 0's gather went out only after bucket 1's slice "
+                        "was stepped, so the link waits a slice-time for every bucket. A bucket's gather needs "
+                        "nothing but its own stepped slice", reveal=PIPE_REVEAL)
+        where = f" (it first differs at event {k}: {seq[k][0]} of bucket {seq[k][1]})" if k is not None else ""
+        raise AssertionError(f"rank 0's steps and gathers ran in another order than the pipelined one{where}")
     return f"{n} times: step bucket i, launch its gather; no wait"
 
 

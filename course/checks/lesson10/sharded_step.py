@@ -99,6 +99,12 @@ def _(learner):
         slices = step_slices(n)
         truth = math.sqrt(sum(float(s.double().pow(2).sum()) for s in slices))
         local = [float(s.norm()) for s in slices]
+        gots = [_as_float(runs[0]["norm"], n, rank) for rank, runs in enumerate(results)]
+        if not _near(max(local), truth) and all(_near(g, max(local)) for g in gots):
+            raise Wrong(f"{n} ranks: every rank returned {gots[0]:.4f}, the largest of the slices' norms: the "
+                        f"all-reduce took the maximum over the ranks, not the sum of their squared norms, so "
+                        f"the clip sees only the biggest slice (the whole gradient's norm is {truth:.4f})",
+                        reveal=STEP_REVEAL)
         for rank, runs in enumerate(results):
             got = _as_float(runs[0]["norm"], n, rank)
             if _near(got, truth):
