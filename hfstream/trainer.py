@@ -382,7 +382,7 @@ class StreamTrainerMixin:
     def _backward_ended(self) -> None:
         """A synchronising backward is over: wait for its reductions; under sharded, .grad as stock where read."""
         sync, timeline = self.grad_sync, self._timeline
-        if not sync.sync_pending:
+        if sync.world_size > 1 and not sync.sync_pending:   # finished at its backward's end already
             return
         if timeline is not None:
             timeline.backward_end()
