@@ -37,7 +37,7 @@ def test_output_dir_lists_what_the_stock_trainer_leaves_and_doctor_finds_the_rep
     assert out.startswith(str(tmp_path / "stream" / "checkpoint-3" / REPORT_FILE)) and "hfstream step report" in out
 
 
-def test_a_run_without_a_checkpoint_at_its_last_step_writes_the_report_in_output_dir(tmp_path):
+def test_a_run_that_saved_no_checkpoint_writes_the_report_in_output_dir(tmp_path):
     trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
                             args=train_args(StreamTrainingArguments, tmp_path / "run", max_steps=3))
     trainer.train()
@@ -126,3 +126,24 @@ def test_one_bucket_reads_one_bucket():
     from hfstream.advice import _count
 
     assert (_count(1, "bucket"), _count(6, "bucket")) == ("1 bucket", "6 buckets")
+
+
+def test_a_run_with_checkpoints_keeps_its_output_dir_stock_and_the_report_in_its_newest_checkpoint(tmp_path):
+    kw = dict(max_steps=3, save_strategy="steps", save_steps=2)
+    Trainer(model=tiny_causal_lm(), args=train_args(TrainingArguments, tmp_path / "stock", **kw),
+            train_dataset=lm_dataset()).train()
+    StreamTrainer(model=tiny_causal_lm(), args=train_args(StreamTrainingArguments, tmp_path / "stream", **kw),
+                  train_dataset=lm_dataset()).train()
+    assert sorted(os.listdir(tmp_path / "stream")) == sorted(os.listdir(tmp_path / "stock"))
+    newest = sorted(os.listdir(tmp_path / "stream"), key=lambda d: int(d.split("-")[1]))[-1]
+    assert [f for f in _listing(tmp_path / "stream") if f.endswith(REPORT_FILE)] == [os.path.join(newest, REPORT_FILE)]
+
+
+def test_the_report_goes_to_the_newest_checkpoint_when_none_is_of_the_last_step(tmp_path):
+    from hfstream.doctor import report_dir
+
+    for step in (2, 10):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    assert report_dir(tmp_path, step=12) == tmp_path / "checkpoint-10"
+    assert report_dir(tmp_path, step=2) == tmp_path / "checkpoint-2"
+    assert report_dir(tmp_path / "none", step=2) == tmp_path / "none"
