@@ -28,7 +28,8 @@ like a smaller one. Step time against bucket size is U-shaped (small buckets pay
 per-collective latency many times, large ones start communicating late), so the sweep stops at
 the first candidate that scores more than ``stop_margin`` (10%) above the best so far: larger
 caps only start later still. Tuning therefore ends after at most ``len(candidates) x
-(warmup_steps + scored_steps)`` synchronised steps, 24 with the defaults, usually fewer.
+(warmup_steps + scored_steps)`` synchronised steps, 24 with the defaults (48 under sharded's 5
+scored steps), usually fewer.
 Re-planning happens inside ``finish()``, after the step's gradients are written back, on every
 rank at the same step: no gradient is lost or counted twice.
 """
