@@ -25,6 +25,7 @@ Around them:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -427,25 +428,23 @@ class StreamTrainerMixin:
         user = self._user_training_step or ("compute_loss" if overrides_compute_loss(self) else None)
         if not self._optimizer_sharded or user is None:
             return run(self, model, inputs, *args, **kwargs)
-        first = self._reads_before_forward is None and not self.args.torch_compile
-        if not first:
-            if self._reads_before_forward or self.args.torch_compile:   # compiled: the forward waits first anyway
-                self.grad_sync.wait_for_params()
+        watch_params = self._reads_before_forward is None and not self.args.torch_compile
+        watch_grads = self._whole_in_window and self._reads_gradients is None   # the first synchronising step
+        if not watch_params and (self._reads_before_forward or self.args.torch_compile):
+            self.grad_sync.wait_for_params()   # compiled: the forward waits first anyway
+        if not (watch_params or watch_grads):
             return run(self, model, inputs, *args, **kwargs)
-        watch_grads = self._whole_in_window and self._reads_gradients is None
-        with PreForwardReads(self.grad_sync.hooked_parameters, model) as watch:
-            self._gradient_reads = GradientReads() if watch_grads else None
+        with contextlib.ExitStack() as stack:
+            watch = stack.enter_context(PreForwardReads(self.grad_sync.hooked_parameters, model)) if watch_params else None
+            reads = self._gradient_reads = stack.enter_context(GradientReads()) if watch_grads else None
             try:
-                if self._gradient_reads is not None:
-                    with self._gradient_reads:
-                        loss = run(self, model, inputs, *args, **kwargs)
-                else:
-                    loss = run(self, model, inputs, *args, **kwargs)
+                loss = run(self, model, inputs, *args, **kwargs)
             finally:
-                reads, self._gradient_reads = self._gradient_reads, None
-        self._reads_before_forward = watch.read
+                self._gradient_reads = None
         where = f"{type(self).__name__}.{user}"
-        if watch.read:
+        if watch is not None:
+            self._reads_before_forward = watch.read
+        if watch is not None and watch.read:
             self._note(f"hfstream: {where} reads parameters before the forward "
                        f"({', '.join(watch.read[:3])}{' ...' if len(watch.read) > 3 else ''}): under "
                        f"grad_sync='sharded' every step now waits for the parameter all-gathers before it, so "

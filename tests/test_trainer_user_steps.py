@@ -3,7 +3,7 @@
 The second real-use pass (issue 27): a BatchNorm model (its buffers, evaluation after), buffers
 broadcast under accumulation, a ``training_step`` written out without ``super()``, FGM (a second
 backward on a perturbed embedding), SAM (two ``super().training_step`` calls, perturbing by the
-gradient between), gradient surgery inside the step, an EMA made by ``copy.deepcopy``
+gradient between), gradient surgery inside the step, a layer re-initialised between steps, an EMA made by ``copy.deepcopy``
 (``AveragedModel``) and a teacher copy used in the loss, a user-written elementwise optimizer
 (Lion) declared for sharding or refused by name, schedule-free refused by name under sharded.
 
@@ -155,6 +155,16 @@ class EMA(TrainerCallback):
         self.ema.update_parameters(model)
 
 
+class Reinit(TrainerCallback):
+    """Parameter re-initialisation between steps: one layer drawn afresh (the same draw on every rank)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 2:
+            with torch.no_grad():
+                torch.manual_seed(7)
+                model.transformer.h[1].mlp.c_fc.weight.normal_(0.0, 0.02)
+
+
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023), written by a user: the update is elementwise, and the class says so."""
 
@@ -240,6 +250,11 @@ def _ema(side, rank, out_dir):
     return _result(t, ema={k: v.detach().clone() for k, v in ema.ema.module.state_dict().items()})
 
 
+@scenario("reinit-between-steps")
+def _reinit(side, rank, out_dir):
+    return _result(_train(side, rank, out_dir, callbacks=[Reinit()]))
+
+
 @scenario("lion-declared")
 def _lion(side, rank, out_dir):
     return _result(_train(side, rank, out_dir, optimizer=lambda m: Lion(m.parameters(), lr=1e-3)))
@@ -306,7 +321,7 @@ def _trains_like_stock(runs, name, side, extra=()):
 
 MATCH = [("batchnorm-evaluate", ("eval_loss",)), ("batchnorm-broadcast-accumulate", ()), ("written-out-step", ()),
          ("fgm", ()), ("sam", ()), ("gradient-surgery", ()), ("teacher-deepcopy", ()), ("ema-deepcopy", ("ema",)),
-         ("lion-declared", ())]
+         ("reinit-between-steps", ()), ("lion-declared", ())]
 
 
 @pytest.mark.slow
