@@ -32,6 +32,10 @@ from typing import Callable
 from .schedule import overlap_exposed, sharded_step
 
 MIN_SAVING = 0.05            # advise a change only if it saves at least 5 % of the step
+# Above this 1-minute load average per core (a run's or a bench's own ranks included) the ranks did
+# not get a core each: other work took compute time from them, and measured parts, predictions and
+# benchmark ratios say more about that work than about the run. The bench reads it from here.
+LOADED_PER_CORE = 1.25
 BUCKET_CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
 # One collective's fixed cost in ms, by backend: gloo on loopback (measured here, 2 ranks: 0.3-0.7
 # ms, busy machine), NCCL within a node (tens of microseconds). Used to split the measured comm
@@ -195,7 +199,6 @@ def _count(n: int, noun: str) -> str:
 
 def _load(facts: RunFacts) -> dict:
     """The machine's load when the run ended, and whether it makes the predictions unreliable."""
-    from .tools.bench.summary import LOADED_PER_CORE   # the bench's threshold: one constant, one place
 
     limit = LOADED_PER_CORE * max(1, facts.cores)
     load = facts.loadavg_1min

@@ -88,7 +88,7 @@ def test_advice_lines_fit_100_columns_with_the_reason_wrapped_under_the_setting(
 def test_a_loaded_machine_marks_the_advice_unreliable_with_the_bench_threshold():
     from hfstream.advice import RunFacts, advise
     from hfstream.report_format import format_advice
-    from hfstream.tools.bench.summary import LOADED_PER_CORE
+    from hfstream.advice import LOADED_PER_CORE
 
     mean = dict(data_wait_ms=40, forward_ms=10, backward_ms=15, optimizer_ms=5, exposed_comm_ms=0,
                 comm_busy_ms=float("nan"), step_ms=70)

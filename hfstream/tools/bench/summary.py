@@ -20,6 +20,7 @@ import platform
 import statistics
 from typing import Sequence
 
+from hfstream.advice import LOADED_PER_CORE   # above it per core the ranks did not get a core each
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.timeline import cross_step_limit
 
@@ -135,11 +136,6 @@ def summarize_results(cfg: BenchConfig, shaping: dict, per_rank: list[dict], arg
         "loaded": loaded,
     }
 
-
-# Above this 1-minute load average per core (the benchmark's own ranks included) the ranks did not
-# get a core each: other work took compute time from them, and the ratios say more about that
-# work than about the modes.
-LOADED_PER_CORE = 1.25
 
 
 def machine_loaded(loadavg: Sequence[float], cores: int) -> dict | None:
