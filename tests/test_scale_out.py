@@ -101,6 +101,7 @@ def test_a_killed_peer_ends_the_run_on_the_other_node(tmp_path):
     _assert_survivor_failed_cleanly(nodes, out, DDP_TIMEOUT, "GradSync.finish() on rank 0")
 
 
+@pytest.mark.slow   # 25 s; the killed peer above keeps the fault path in the default run
 def test_a_frozen_peer_ends_the_run_within_ddp_timeout_and_says_what_was_pending(tmp_path):
     """The stock Trainer, same setup (ddp_timeout=20, peer frozen at step 4), still waited 150 s later."""
     out, nodes = _fault_run(tmp_path, "stop", ["--grad_sync", "overlap"])
