@@ -26,7 +26,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from hfstream import StreamTrainer, StreamTrainingArguments
 from tiny import lm_dataset, losses, params, tiny_causal_lm, train_args
 
-# One spawn of 2 ranks, 36 runs: 2-5 min on 2 cores, so under `make test-slow` (the deep-copy unit
+# One spawn of 2 ranks, 42 runs: 1 min on 2 idle cores, 5 loaded, so under `make test-slow` (the deep-copy unit
 # test at the end runs in the default suite).
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
