@@ -18,18 +18,9 @@ from torch import nn
 
 from hfstream import GradSync
 from hfstream.gradsync import sync as sync_module
+from test_gradsync_order import WithRunningStats
 
 pytestmark = pytest.mark.multiprocess
-
-
-class WithStats(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.norm = nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return self.norm(self.fc(x))
 
 
 def _x(step, rank):
@@ -38,7 +29,7 @@ def _x(step, rank):
 
 def broadcasts_per_forward(rank, world_size):
     torch.manual_seed(0)
-    model = WithStats()
+    model = WithRunningStats()
     sync = GradSync(model, bucket_mb=1.0, broadcast_buffers=True)
     calls = []
     real = sync_module.broadcast_from_rank0
@@ -75,13 +66,17 @@ def _mean_grads(model, xs, world_size):
     return out
 
 
-def two_backwards(rank, world_size, mode):
+def _model_and_means(rank, world_size):
+    """A small MLP, and the mean gradients of batches 1 and 2 on a copy of it (the references)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    ref_model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    ref_model.load_state_dict(model.state_dict())
-    x1, x2 = _x(1, rank), _x(2, rank)
-    mean1, mean2 = _mean_grads(ref_model, x1, world_size), _mean_grads(ref_model, x2, world_size)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref.load_state_dict(model.state_dict())
+    return model, _mean_grads(ref, _x(1, rank), world_size), _mean_grads(ref, _x(2, rank), world_size)
+
+
+def two_backwards(rank, world_size, mode):
+    model, mean1, mean2 = _model_and_means(rank, world_size)
 
     sync = GradSync(model, bucket_mb=0.0002, mode=mode)
     optimizer = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0)) if mode == "sharded" else None
@@ -95,9 +90,9 @@ def two_backwards(rank, world_size, mode):
         seen[len(ended)] = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     sync.after_backward = after_backward
-    model(x1).pow(2).mean().backward()
+    model(_x(1, rank)).pow(2).mean().backward()
     first = seen.get(1)
-    model(x2).pow(2).mean().backward()
+    model(_x(2, rank)).pow(2).mean().backward()
     if optimizer is not None:
         sync.reduction.scatter_gradients()
     return ended, first, seen.get(2), mean1, mean2
@@ -114,12 +109,7 @@ def test_each_backward_ends_with_the_mean_gradient_and_a_second_adds_its_mean(ru
 
 
 def sharded_slices_accumulate(rank, world_size):
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    ref = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
-    ref.load_state_dict(model.state_dict())
-    x1, x2 = _x(1, rank), _x(2, rank)
-    mean1, mean2 = _mean_grads(ref, x1, world_size), _mean_grads(ref, x2, world_size)
+    model, mean1, mean2 = _model_and_means(rank, world_size)
     sync = GradSync(model, bucket_mb=0.0002, mode="sharded")
     sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
 
@@ -128,8 +118,8 @@ def sharded_slices_accumulate(rank, world_size):
         sync.reduction.accumulate = True   # a further backward of this step adds to the slices
 
     sync.after_backward = after_backward
-    model(x1).pow(2).mean().backward()
-    model(x2).pow(2).mean().backward()
+    model(_x(1, rank)).pow(2).mean().backward()
+    model(_x(2, rank)).pow(2).mean().backward()
     sync.reduction.gather_gradients()
     return {n: p.grad.clone() for n, p in model.named_parameters()}, mean1, mean2
 
