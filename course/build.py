@@ -95,14 +95,8 @@ def _split_solution(source: str, exercise_id: str | None, where: str) -> tuple[s
     return "\n".join(student), "\n".join(solution), blocks
 
 
-def build_lesson(path: Path) -> Built:
-    import jupytext
-    import nbformat
-
-    lesson, name = path.stem[:2], path.stem
-    nb = jupytext.reads(path.read_text(), fmt="py:percent")
-    cells = nb.cells
-    # Exercise id of each cell: the next check("...") at or after it.
+def exercise_of_cells(cells) -> list[str | None]:
+    """Each cell's exercise id: the next ``check("...")`` at or after it (None after the last)."""
     next_check: list[str | None] = [None] * len(cells)
     upcoming = None
     for i in range(len(cells) - 1, -1, -1):
@@ -111,6 +105,17 @@ def build_lesson(path: Path) -> Built:
             if found:
                 upcoming = found[0]
         next_check[i] = upcoming
+    return next_check
+
+
+def build_lesson(path: Path) -> Built:
+    import jupytext
+    import nbformat
+
+    lesson, name = path.stem[:2], path.stem
+    nb = jupytext.reads(path.read_text(), fmt="py:percent")
+    cells = nb.cells
+    next_check = exercise_of_cells(cells)
 
     student_cells, solution_cells, exercises, blocks = [], [], [], []
     setup = nbformat.v4.new_code_cell(SETUP_CELL)

@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from course.build import BEGIN, CHECK_CALL, END, lesson_sources
+from course.build import BEGIN, CHECK_CALL, END, exercise_of_cells, lesson_sources
 from course.grading import (LEARNER_PREAMBLE, NotWritten, Wrong, _strip_notebook_syntax, get_exercise,
                             keep_definitions, lesson_exercises, run_case, run_cell, Learner)
 
@@ -93,14 +93,7 @@ def lesson_cells(lesson: str) -> list[tuple[CellSpec, list[str]]]:
     if path is None:
         raise SystemExit(f"no lesson {lesson!r}")
     cells = jupytext.reads(path.read_text(), fmt="py:percent").cells
-    upcoming, out = None, []
-    next_check: list[str | None] = [None] * len(cells)
-    for i in range(len(cells) - 1, -1, -1):
-        if cells[i].cell_type == "code":
-            found = CHECK_CALL.findall(cells[i].source)
-            if found:
-                upcoming = found[0]
-        next_check[i] = upcoming
+    out, next_check = [], exercise_of_cells(cells)
     for i, cell in enumerate(cells):
         tags = cell.metadata.get("tags", [])
         if cell.cell_type != "code" or "gpu" in tags or "hidden-check" in tags:
