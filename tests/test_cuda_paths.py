@@ -54,18 +54,20 @@ def test_shard_state_reads_per_parameter_state_without_a_host_read_per_piece(mon
 
 
 def _pieces_of(full_grads, cuts):
-    """Each full gradient cut into `cuts` slices, as the sharded optimizer's piece tensors hold them."""
-    pieces = []
-    for g in full_grads:
-        for chunk in g.flatten().chunk(cuts):
+    """Each full gradient cut into ``cuts[i]`` slices, as the sharded optimizer's piece tensors hold them,
+    with each piece's owner: its parameter's index and whether it holds all of it."""
+    pieces, owners = [], []
+    for i, (g, n) in enumerate(zip(full_grads, cuts)):
+        for chunk in g.flatten().chunk(n):
             t = torch.zeros_like(chunk)
             t.grad = chunk.clone()
             pieces.append(t)
-    return pieces
+            owners.append((i, n == 1))
+    return pieces, owners
 
 
-@pytest.mark.parametrize("cuts", [1, 7])
-def test_sharded_clip_takes_one_fused_norm_call_whatever_the_number_of_pieces(monkeypatch, cuts):
+@pytest.mark.parametrize("cuts", [(1, 1), (7, 7), (1, 7)])
+def test_sharded_clip_takes_at_most_two_fused_norm_calls_whatever_the_number_of_pieces(monkeypatch, cuts):
     from hfstream.gradsync import shard_optim
     monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
     calls = {"foreach": 0, "vector": 0}
@@ -75,32 +77,50 @@ def test_sharded_clip_takes_one_fused_norm_call_whatever_the_number_of_pieces(mo
     monkeypatch.setattr(torch.linalg, "vector_norm", lambda *a, **k: calls.__setitem__("vector", calls["vector"] + 1)
                         or real_vector(*a, **k))
     full = [torch.randn(30), torch.randn(5, 4)]
-    shard_optim.clip_grad_norm_(_pieces_of(full, cuts), group=None, max_norm=0.1)
-    assert calls["foreach"] == 1
-    # stock clip_grads_with_norm_ takes no norm; none is taken per piece here
-    assert calls["vector"] == 0
+    pieces, owners = _pieces_of(full, cuts)
+    shard_optim.clip_grad_norm_(pieces, owners, len(full), group=None, max_norm=0.1)
+    assert calls["foreach"] == len(set(cuts))   # one for the whole parameters, one for the cut ones
+    assert calls["vector"] == 1                 # the norm of the per-parameter norms, as stock; none per piece
+
+
+def _stock_and_ours(max_norm, cuts, dtype=torch.float32):
+    from hfstream.gradsync import shard_optim
+    torch.manual_seed(0)
+    # 256x256: large enough that float32's own summation (stock's) and float64's rounded once differ
+    full = [torch.randn(300, dtype=dtype), torch.randn(256, 256, dtype=dtype), torch.randn(1000, dtype=dtype) * 1e-3]
+    whole = [torch.zeros_like(g) for g in full]
+    for t, g in zip(whole, full):
+        t.grad = g.clone()
+    stock = torch.nn.utils.clip_grad_norm_(whole, max_norm)
+    pieces, owners = _pieces_of(full, cuts)
+    ours = shard_optim.clip_grad_norm_(pieces, owners, len(full), group=None, max_norm=max_norm)
+    return full, whole, stock, pieces, ours
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])   # above and below the gradient's norm
 def test_sharded_clip_matches_stock_clip_grad_norm_on_the_whole_gradient(monkeypatch, max_norm):
     from hfstream.gradsync import shard_optim
     monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
-    torch.manual_seed(0)
-    full = [torch.randn(300), torch.randn(17, 9)]
-    whole = [torch.zeros_like(g) for g in full]
-    for t, g in zip(whole, full):
-        t.grad = g.clone()
-    stock = torch.nn.utils.clip_grad_norm_(whole, max_norm)
-    pieces = _pieces_of(full, 5)
-    ours = shard_optim.clip_grad_norm_(pieces, group=None, max_norm=max_norm)
-    # The norm is summed in float64 over slices (layout-independent), stock in float32 per
-    # parameter: equal to float32's rounding, not bitwise.
+    full, whole, stock, pieces, ours = _stock_and_ours(max_norm, (5, 5, 3))
+    # Every parameter cut: their norms come from float64 partial sums, equal to float32's rounding only.
     torch.testing.assert_close(ours, stock, rtol=2e-7, atol=0)
     got = torch.cat([t.grad for t in pieces])
     want = torch.cat([t.grad.flatten() for t in whole])
-    torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
+    torch.testing.assert_close(got, want, rtol=3e-7, atol=0)   # a coefficient one ulp off, then the product's rounding
     if max_norm > 1e2:
         assert torch.equal(got, torch.cat([g.flatten() for g in full]))   # not clipped: left exactly as it was
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sharded_clip_of_parameters_held_whole_is_stocks_bit_for_bit(monkeypatch, dtype):
+    # Stock: one norm per parameter in the gradient's dtype, stacked in parameter order, then the norm
+    # of that. The same here for every parameter a piece holds whole; with a cut one the rest stay so.
+    from hfstream.gradsync import shard_optim
+    monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
+    _, whole, stock, pieces, ours = _stock_and_ours(0.5, (1, 1, 1), dtype)
+    assert ours.dtype == stock.dtype == dtype
+    assert torch.equal(ours, stock)
+    assert torch.equal(torch.cat([t.grad for t in pieces]), torch.cat([t.grad.flatten() for t in whole]))
 
 
 class _FakeNCCL:

@@ -3,7 +3,8 @@
 The second real-use pass (issue 27): a BatchNorm model (its buffers, evaluation after), buffers
 broadcast under accumulation, a ``training_step`` written out without ``super()``, FGM (a second
 backward on a perturbed embedding), SAM (two ``super().training_step`` calls, perturbing by the
-gradient between), gradient surgery inside the step, a layer re-initialised between steps, an EMA made by ``copy.deepcopy``
+gradient between), gradient surgery inside the step, a layer re-initialised between steps, model surgery between
+epochs (a frozen block unfrozen, the last block dropped), an EMA made by ``copy.deepcopy``
 (``AveragedModel``) and a teacher copy used in the loss, a user-written elementwise optimizer
 (Lion) declared for sharding or refused by name, schedule-free refused by name under sharded.
 
@@ -165,6 +166,24 @@ class Reinit(TrainerCallback):
                 model.transformer.h[1].mlp.c_fc.weight.normal_(0.0, 0.02)
 
 
+class Unfreeze(TrainerCallback):
+    """Model surgery between epochs, gradual unfreezing: the first block, frozen before training, is
+    trainable again from the second epoch (not in the optimizer, which the Trainer built without it)."""
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        if round(state.epoch) == 1:
+            model.transformer.h[0].requires_grad_(True)
+
+
+class DropBlock(TrainerCallback):
+    """Model surgery between epochs, layer dropping: the last block leaves the model after the first epoch."""
+
+    def on_epoch_end(self, args, state, control, model=None, **kwargs):
+        if round(state.epoch) == 1:
+            model.transformer.h = model.transformer.h[:-1]
+            model.config.n_layer = len(model.transformer.h)
+
+
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023), written by a user: the update is elementwise, and the class says so."""
 
@@ -262,6 +281,35 @@ def _reinit(side, rank, out_dir):
     return _result(_train(side, rank, out_dir, callbacks=[Reinit()]))
 
 
+def _frozen_first_block(seed):
+    model = _gpt2(seed)
+    model.transformer.h[0].requires_grad_(False)
+    return model
+
+
+# Two epochs of 2 steps each; no clipping in the unfreezing run: stock's clip_grad_norm_ would read the
+# unfrozen block's gradient, which DDP (built before the unfreezing) never reduces, so stock's own ranks
+# would clip by different norms.
+@scenario("unfreeze-between-epochs")
+def _unfreeze(side, rank, out_dir):
+    return _result(_train(side, rank, out_dir, build=_frozen_first_block, callbacks=[Unfreeze()],
+                          data=lm_dataset(n=16), max_steps=-1, num_train_epochs=2, max_grad_norm=0.0))
+
+
+@scenario("drop-block-between-epochs")
+def _drop_block(side, rank, out_dir):
+    return _result(_train(side, rank, out_dir, callbacks=[DropBlock()], data=lm_dataset(n=16), max_steps=-1,
+                          num_train_epochs=2))
+
+
+@scenario("bf16-clipping")
+def _bf16_clipping(side, rank, out_dir):
+    # Clipping active at every step (max_grad_norm below every norm) under bf16 autocast, which carries a
+    # coefficient's last bit into the weights: sharded took the norm as stock does, per parameter.
+    t = _train(side, rank, out_dir, bf16=True, max_grad_norm=0.1, max_steps=6)
+    return _result(t, grad_norms=[h["grad_norm"] for h in t.state.log_history if "grad_norm" in h])
+
+
 @scenario("lion-declared")
 def _lion(side, rank, out_dir):
     return _result(_train(side, rank, out_dir, optimizer=lambda m: Lion(m.parameters(), lr=1e-3)))
@@ -328,7 +376,8 @@ def _trains_like_stock(runs, name, side, extra=()):
 
 MATCH = [("batchnorm-evaluate", ("eval_loss",)), ("batchnorm-broadcast-accumulate", ()), ("written-out-step", ()),
          ("fgm", ()), ("fgm-accumulate", ()), ("sam", ()), ("gradient-surgery", ()), ("teacher-deepcopy", ()), ("ema-deepcopy", ("ema",)),
-         ("reinit-between-steps", ()), ("lion-declared", ())]
+         ("reinit-between-steps", ()), ("unfreeze-between-epochs", ()), ("drop-block-between-epochs", ()),
+         ("bf16-clipping", ("grad_norms",)), ("lion-declared", ())]
 
 
 @pytest.mark.slow

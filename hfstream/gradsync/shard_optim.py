@@ -14,7 +14,9 @@ all of it (LAMB's trust ratio, Muon's orthogonalisation) is refused by name (`EL
 optimizer of one's own is accepted once its class declares ``hfstream_elementwise = True``.
 
 `clip_grad_norm_` gives the result of ``torch.nn.utils.clip_grad_norm_`` on the full mean
-gradient from the slices: each rank's local norm, one scalar all-reduce, the same coefficient
+gradient from the slices, computed as stock computes it: one norm per parameter (taken whole,
+in the gradient's dtype, by the rank whose slice holds the whole parameter), one all-reduce of
+that vector, then the norm of the vector in the model's parameter order; the same coefficient
 on every rank.
 """
 
@@ -160,33 +162,57 @@ def check_norm_type(norm_type) -> float:
 
 
 @torch.no_grad()
-def clip_grad_norm_(tensors, group, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                    foreach: bool | None = None, device=None) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over every rank's piece tensors (each element in exactly one)."""
+def clip_grad_norm_(tensors, owners, n_params: int, group, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, device=None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over every rank's piece tensors (each element in exactly one).
+
+    Args:
+        tensors: this rank's piece tensors; their ``.grad`` are its slices of the mean gradient.
+        owners: for each tensor, ``(i, whole)``: its parameter's position in the model's parameter
+            order (the same on every rank) and whether the piece holds all of that parameter.
+        n_params: how many parameters ``i`` ranges over (the same on every rank).
+        group: the process group the slices are spread over.
+
+    Stock takes each parameter's norm (``_foreach_norm``, in the gradient's dtype), stacks them in
+    parameter order and takes the norm of that. A parameter whole in one piece gets exactly that
+    per-parameter norm here; one cut between pieces (a bucket's slice boundary) gets its norm from
+    float64 partial sums, rounded once: it can differ from stock's in the last bit, and only then
+    can the coefficient.
+    """
     norm_type = check_norm_type(norm_type)
-    tensors = [t for t in tensors if t.grad is not None]
-    device = tensors[0].device if tensors else (device or torch.device("cpu"))
-    dtype = tensors[0].grad.dtype if tensors else torch.float32
-    # Partial sums in float64: how the gradient is cut into slices (bucket cap, re-plan, process
-    # count) then changes the norm far below float32's last bit, so a resumed run, whose layout
-    # may differ from the uninterrupted one's, clips with the same coefficient. One fused
-    # _foreach_norm per device and dtype, as clip_grad_norm_ does, not one launch per piece.
-    grads = [t.grad for t in tensors if t.grad.numel()]
-    if math.isinf(norm_type):
-        local = (torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64)).max() if grads
-                 else torch.zeros((), dtype=torch.float64, device=device))
-        total = local.to(device)
+    kept = [(t, i, whole) for t, (i, whole) in zip(tensors, owners) if t.grad is not None]
+    device = kept[0][0].device if kept else (device or torch.device("cpu"))
+    dtype = kept[0][0].grad.dtype if kept else torch.float32
+    if math.isinf(norm_type):   # a max is exact in any order and dtype
+        grads = [t.grad for t, _, _ in kept if t.grad.numel()]
+        total = (torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64)).max() if grads
+                 else torch.zeros((), dtype=torch.float64, device=device)).to(device)
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        total = (torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64)).pow(norm_type).sum()
-                 if grads else torch.zeros((), dtype=torch.float64)).to(device)
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        total = total.pow(1.0 / norm_type)
+        # Rows: a whole parameter's norm, or a cut one's sum of |g|^p over this rank's pieces; whether
+        # the parameter is whole somewhere; whether it has a gradient. One all-reduce (SUM) of it all.
+        table = torch.zeros(3, n_params, dtype=torch.float64, device=device)
+        whole = [(t.grad, i) for t, i, w in kept if w]
+        cut = [(t.grad, i) for t, i, w in kept if not w and t.grad.numel()]
+        if whole:   # as stock: each parameter's norm in its gradient's dtype
+            index = torch.tensor([i for _, i in whole], device=device)
+            norms = torch._foreach_norm([g for g, _ in whole], norm_type)
+            table[0].index_add_(0, index, torch.stack(norms).to(device, torch.float64))
+            table[1].index_fill_(0, index, 1.0)
+        if cut:
+            index = torch.tensor([i for _, i in cut], device=device)
+            norms = torch._foreach_norm([g for g, _ in cut], norm_type, dtype=torch.float64)
+            table[0].index_add_(0, index, torch.stack(norms).to(device).pow(norm_type))
+        if kept:
+            table[2].index_fill_(0, torch.tensor([i for _, i, _ in kept], device=device), 1.0)
+        dist.all_reduce(table, group=group)
+        per_param = torch.where(table[1] > 0, table[0], table[0].pow(1.0 / norm_type))[table[2] > 0]
+        total = torch.linalg.vector_norm(per_param.to(dtype), norm_type)
     total = total.to(dtype)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
                            f"clipped. To disable this error and scale the gradients by the non-finite norm "
                            f"anyway, set error_if_nonfinite=False")
-    if tensors:
-        torch.nn.utils.clip_grads_with_norm_(tensors, max_norm, total, foreach)
+    if kept:
+        torch.nn.utils.clip_grads_with_norm_([t for t, _, _ in kept], max_norm, total, foreach)
     return total

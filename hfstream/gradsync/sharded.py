@@ -231,9 +231,15 @@ class ShardedReduction(Reduction):
                 raise RuntimeError("GradSync(mode='sharded').clip_grad_norm_() needs the sharded optimizer: call "
                                    "sync.shard_optimizer(optimizer) first, then finish() after backward")
             return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
-        tensors = [t for st in self.states for t in st.layout.tensors]
-        return shard_optim.clip_grad_norm_(tensors, self.wiring.group, max_norm, norm_type, error_if_nonfinite,
-                                           foreach, self.states[0].plan.device if self.states else None)
+        tensors, owners = [], []   # each piece, and which parameter it is part of (stock's norm is per parameter)
+        for st in self.states:
+            for pc, t in zip(st.layout.pieces, st.layout.tensors):
+                p = st.params[pc.slot]
+                tensors.append(t)
+                owners.append((self._index[id(p)], pc.param_start == 0 and pc.param_end == p.numel()))
+        return shard_optim.clip_grad_norm_(tensors, owners, len(self.wiring.hooked), self.wiring.group, max_norm,
+                                           norm_type, error_if_nonfinite, foreach,
+                                           self.states[0].plan.device if self.states else None)
 
     @torch.no_grad()
     def grad_norms(self) -> dict[str, torch.Tensor]:
