@@ -96,3 +96,47 @@ def device_sleep(ms: float, cycles_per_ms: float):
     done = torch.cuda.Event()
     done.record()
     return done
+
+
+# The tensor methods that hand a tensor's value to the host: on an accelerator each waits for the device.
+HOST_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "nonzero",
+                        "equal", "allclose", "is_nonzero", "cpu"})
+
+
+def host_reads(device_type: str):
+    """A ``TorchFunctionMode`` that counts, inside the block, the torch calls made (``.calls``) and those
+    that read a tensor's value on the host (``.reads``: ``name at file:line``), on a tensor of
+    ``device_type``.
+
+    The counting twin of ``set_sync_debug_mode("error")``: it also runs on CPU (so the dry run checks
+    the same step), and it names the Python line. It sees what Python calls, on the calling thread and
+    in the hooks autograd runs (torch carries the mode over to its threads), not a sync inside a C++ op:
+    on a GPU the sync-debug mode covers those. ``.calls`` is what it compared: zero means it watched nothing.
+    """
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    class HostReads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+            self.reads: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            name = getattr(func, "__name__", "")
+            if name in HOST_READS and _on(device_type, args, kwargs or {}):
+                if not (name == "cpu" and device_type == "cpu"):
+                    where = traceback.extract_stack(limit=3)[0]
+                    self.reads.append(f"{name} at {Path(where.filename).name}:{where.lineno}")
+            return func(*args, **(kwargs or {}))
+
+    return HostReads()
+
+
+def _on(device_type: str, args, kwargs) -> bool:
+    import torch
+
+    return any(isinstance(a, torch.Tensor) and a.device.type == device_type
+               for a in list(args) + list(kwargs.values()))
