@@ -146,7 +146,10 @@ def merge_ranks(outs: list[dict | None], world: int, quick: bool, on_cpu: bool, 
                **({"rank0": good[0][1]["numbers"]} if good else {})}
     summary = [f"{world} ranks ({launcher}, {'gloo on CPU' if on_cpu else 'NCCL'}), {len(good)} reported"]
     if good and good[0][0] == 0:
-        summary += rank0_summary(good[0][1]["numbers"], on_cpu)
+        try:
+            summary += rank0_summary(good[0][1]["numbers"], on_cpu)
+        except (KeyError, TypeError, ValueError) as exc:   # a rank's numbers incomplete: its checks say why
+            summary.append(f"rank 0's numbers incomplete ({type(exc).__name__}: {exc})")
     return checks.result(summary, numbers)
 
 
