@@ -164,6 +164,9 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
     return {"checks": checks.items, "compared": checks.compared, "numbers": numbers, "param_sum": param_sum}
 
 
+CLIP = 0.01     # max_norm of the sharded comparison: below the gradients' norm, so that clipping acts
+
+
 def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, numbers: dict) -> None:
     """Sharded mode's bucket-by-bucket step (each gather launched as its slice is stepped): the
     parameters of one process stepping the mean gradient with the unsharded optimizer (the truth),
@@ -178,6 +181,8 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
         g = torch.Generator().manual_seed(7919 * step + r)
         return [torch.randn(size["batch"], size["width"], generator=g).to(dev) for _ in range(2)]
 
+    norms: list[float] = []
+
     def reference():
         torch.manual_seed(0)
         model = mlp(size["width"], size["layers"]).to(dev)
@@ -187,7 +192,7 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
                 mse(model, *batch(step, r)).backward()
             for p in model.parameters():
                 p.grad.div_(dist.get_world_size())
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
             opt.step()
             opt.zero_grad(set_to_none=True)
         return [p.detach().clone() for p in model.parameters()]
@@ -201,7 +206,7 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
         for step in range(size["steps"]):
             mse(model, *batch(step, rank)).backward()
             sync.finish()
-            sync.clip_grad_norm_(1.0)
+            sync.clip_grad_norm_(CLIP)
             if record and step == size["steps"] - 1 and cuda:
                 with SyncRecorder() as rec:
                     rec.phase("step")
@@ -226,6 +231,8 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
     compare_tensors(checks, "sharded: the bucket-by-bucket step gives exactly the one-call step's parameters",
                     piecewise, whole, 0.0, "parameter tensors")
     checks.add("sharded: more than one bucket (else bucket by bucket is one call)", buckets >= 2, f"{buckets} buckets")
+    checks.add("sharded: clipping acted in every step (the mean gradient's norm above max_norm)",
+               bool(norms) and min(norms) > CLIP, f"norms {[round(n, 4) for n in norms]}, max_norm {CLIP}")
     numbers.update(sharded_buckets=buckets, sharded_step_syncs=syncs, sharded_ref_diff=ref_diff)
     if cuda:
         checks.add("sharded: no host sync inside the pipelined step (sync-debug 'warn')", not syncs, f"{syncs}")
