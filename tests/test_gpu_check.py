@@ -330,6 +330,6 @@ def test_cpu_dry_run_of_every_part(tmp_path):
     assert doc["header"]["mode"].startswith("cpu dry run")
     status = {p["name"]: p["status"] for p in doc["parts"]}
     assert status == {"pytest": "skip", "gradsync": "pass", "prefetch": "pass", "ws1": "pass", "trainer": "pass",
-                      "onerank": "pass"}, \
+                      "onerank": "pass", "multirank": "pass"}, \
         proc.stdout
     assert "overall: pass" in proc.stdout

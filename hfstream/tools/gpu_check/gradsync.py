@@ -23,7 +23,7 @@ it must catch.
 The communication times here are host-side, not the collective's: gloo's future has no CUDA
 devices, so the completion callback that records a bucket's end event runs on gloo's thread and
 records it on that thread's default stream, which is not ordered after gloo's copy back to the
-device. "comm busy/exposed" in this part are labelled so; part 6 measures them on NCCL against
+device. "comm busy/exposed" in this part are labelled so; part 7 measures them on NCCL against
 the profiler.
 """
 
@@ -65,7 +65,7 @@ def part_gradsync(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
         f"{n0['launched_in_backward']}/{n0['num_collectives']} buckets launched in backward"
         + (", on the side stream" if n0.get("side_stream") else ("" if on_cpu else ", NOT on a side stream"))
         + f"; comm busy {n0['comm_busy_ms']:.2f} ms, exposed {n0['exposed_comm_ms']:.2f} ms"
-        + ("" if on_cpu else " (host-side: gloo's end event is not ordered after its copy back; NCCL in part 6)"),
+        + ("" if on_cpu else " (host-side: gloo's end event is not ordered after its copy back; NCCL in part 7)"),
     ]
     if on_cpu:
         summary.append("sync checks: n/a on CPU")
