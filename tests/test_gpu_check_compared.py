@@ -257,3 +257,38 @@ def test_part_7_dry_run_on_2_gloo_ranks_under_torchrun(tmp_path):
     assert counts["sharded: the forward starts with the all-gathers still in flight (params_pending at its "
                   "first pre-hook)"] >= 1
     assert counts["two groups: WORLD's gather ran while the gradient group's all-gathers were in flight"] >= 1
+
+
+def test_device_events_keep_the_device_side_and_tell_kernels_from_copies():
+    import types
+
+    from torch.autograd import DeviceType
+
+    from hfstream.tools.gpu_check.comm_kernels import device_events
+
+    def ev(name, device, us):
+        return types.SimpleNamespace(name=name, device_type=device,
+                                     time_range=types.SimpleNamespace(elapsed_us=lambda: us))
+
+    prof = types.SimpleNamespace(events=lambda: [
+        ev("nccl:all_reduce", DeviceType.CPU, 900.0),                      # the host-side op: not a kernel
+        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 500.0),
+        ev("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 40.0)])
+    assert device_events(prof) == [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 0.5),
+                                   ("Memcpy DtoD (Device -> Device)", "copy", 0.04)]
+
+
+def test_part_7_profiler_comparison_on_a_run_with_no_nccl_kernel_fails(one_rank_gloo):
+    """The profiled steps on CPU (gloo: no device kernel at all): every comparison compared nothing."""
+    from hfstream import GradSync
+
+    size = dict(multi_rank.multi_rank_sizes(True, True), profiled=2)
+    ctx = dict(rank=0, world=1, dev=torch.device("cpu"), cuda=False, size=size, group=None)
+    model, _ = multi_rank._models(ctx)
+    sync = GradSync(model, bucket_mb=size["bucket_mb"], mode="overlap")
+    checks, numbers = Checks(), {}
+    multi_rank._profile(ctx, model, sync, multi_rank._sgd(model.parameters()), 0, checks, numbers,
+                        {"allreduce": ("comm_busy_ms", 2)})
+    sync.close()
+    (name, ok, info), = checks.items
+    assert not ok and "compared nothing (NCCL allreduce kernels)" in info and numbers["kernel_allreduce_ms"] is None

@@ -380,7 +380,8 @@ def _profile(ctx, model, sync, opt, seed: int, checks: Checks, numbers: dict, op
 
     steps = ctx["size"]["profiled"]
     reported: dict[str, list[float]] = {op: [] for op in ops}
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx["cuda"] else [])
+    with profile(activities=activities) as prof:
         for k in range(steps):
             _train_step(model, sync, opt, *_data(seed + k, ctx["rank"], ctx["size"], ctx["dev"]))
             stats = sync.stats
@@ -388,7 +389,7 @@ def _profile(ctx, model, sync, opt, seed: int, checks: Checks, numbers: dict, op
                 reported[op].append(getattr(stats, field))
         if sync.mode == "sharded":
             sync.wait_for_params()
-        synchronize(True)
+        synchronize(ctx["cuda"])
     events = device_events(prof)
     for op, (field, per_step) in ops.items():
         values = [v for v in reported[op] if math.isfinite(v)]
