@@ -292,3 +292,25 @@ def test_part_7_profiler_comparison_on_a_run_with_no_nccl_kernel_fails(one_rank_
     sync.close()
     (name, ok, info), = checks.items
     assert not ok and "compared nothing (NCCL allreduce kernels)" in info and numbers["kernel_allreduce_ms"] is None
+
+
+def test_part_7_runs_the_torchrun_of_this_python_only(tmp_path, monkeypatch):
+    bindir, other = tmp_path / "bin", tmp_path / "elsewhere"
+    bindir.mkdir()
+    other.mkdir()
+    python = bindir / "python"
+    python.write_text("")
+    monkeypatch.setattr(sys, "executable", str(python))
+    monkeypatch.delenv(multi_rank.LAUNCHER_ENV, raising=False)
+    torchrun = other / "torchrun"
+    monkeypatch.setenv("PATH", str(other))
+    torchrun.write_text("#!/usr/bin/some-other-python\n")
+    torchrun.chmod(0o755)                                              # shutil.which finds executables only
+    assert multi_rank.launcher_command(8) is None                      # another python's torch: spawn instead
+    torchrun.write_text(f"#!{python}\nimport sys\n")
+    assert multi_rank.launcher_command(8) == [str(torchrun), "--standalone", "--nnodes", "1", "--nproc_per_node", "8"]
+    beside = bindir / "torchrun"
+    beside.write_text("")
+    assert multi_rank.launcher_command(2)[0] == str(beside)
+    monkeypatch.setenv(multi_rank.LAUNCHER_ENV, "spawn")
+    assert multi_rank.launcher_command(2) is None

@@ -33,7 +33,7 @@ CUDA context in one is recorded in the table and the others still run):
                 beside the gradient group's gathers
 
 Every part says what it compared (how many of what, the first line of its row) and fails when it
-compared nothing. The run is held to a budget (570 s; ``--quick`` 225 s), so it ends within
+compared nothing. The run is held to a budget (560 s; ``--quick`` 215 s), so it ends within
 10 minutes (4).
 
 The modules (each imports only the standard library when imported; torch, transformers and

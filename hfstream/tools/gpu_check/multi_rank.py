@@ -79,15 +79,31 @@ def part_multi_rank(quick: bool, on_cpu: bool, timeout_s: float, ranks: int | No
 
 
 def launcher_command(world: int) -> list[str] | None:
-    """``torchrun`` of this python (beside it, or on PATH in its folder); None: spawn instead."""
+    """``torchrun`` of this python (beside it, or on PATH with this python in its ``#!`` line); None: spawn."""
     choice = os.environ.get(LAUNCHER_ENV, "")
     if choice == "spawn":
         return None
-    here = Path(sys.executable).parent / "torchrun"
-    found = here if here.exists() else (shutil.which("torchrun") and Path(shutil.which("torchrun")))
-    if not found or (choice != "torchrun" and Path(found).resolve().parent != here.resolve().parent):
+    beside = Path(sys.executable).parent / "torchrun"
+    on_path = shutil.which("torchrun")
+    found = beside if beside.exists() else (Path(on_path) if on_path else None)
+    if found is None or (choice != "torchrun" and found != beside and not _runs_this_python(found)):
         return None     # a torchrun of another python would run another torch
     return [str(found), "--standalone", "--nnodes", "1", "--nproc_per_node", str(world)]
+
+
+def _runs_this_python(script: Path) -> bool:
+    try:
+        with open(script, "rb") as f:
+            first = f.readline().decode(errors="replace").strip()
+    except OSError:
+        return False
+    if not first.startswith("#!"):
+        return False
+    interpreter = first[2:].split()[0] if first[2:].split() else ""
+    try:
+        return Path(interpreter).resolve() == Path(sys.executable).resolve()
+    except OSError:
+        return False
 
 
 def launch(world: int, out: Path, quick: bool, on_cpu: bool, timeout_s: float) -> tuple[str, int | None, str]:
