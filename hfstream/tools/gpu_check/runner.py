@@ -40,6 +40,7 @@ TITLES = {
 TIMEOUTS = {"pytest": (150, 60), "gradsync": (75, 40), "prefetch": (50, 25), "ws1": (40, 20), "trainer": (75, 35),
             "onerank": (60, 30), "multirank": (120, 60)}
 BUDGET_S = (560, 215)   # seconds: under 10 and 4 minutes with the start and the table
+DRY_RUN_SCALE = 3.0      # --on-cpu: time boxes and budget this many times the GPU run's
 MIN_PART_S = 20          # a part is not started with less; this much is kept for each part still to run
 # The parts run in a child (``--part NAME``): module and function, imported only there.
 PART_FUNCS = {"gradsync": ("gradsync", "part_gradsync"), "prefetch": ("prefetch", "part_prefetch"),
@@ -54,7 +55,8 @@ def part_function(name: str) -> Callable[[bool, bool, float], dict]:
 
 # ================================================================================ orchestration
 def run_all(names: list[str], runner: Callable[[str, float], dict], budget_s: float, quick: bool,
-            clock: Callable[[], float] = time.monotonic, progress: Callable[[str], None] | None = None) -> list[dict]:
+            clock: Callable[[], float] = time.monotonic, progress: Callable[[str], None] | None = None,
+            box_scale: float = 1.0) -> list[dict]:
     """Run each part through ``runner(name, timeout_s)`` within its time box and the whole budget.
 
     A part that raises, or that no time is left for, is recorded (fail / skip), never fatal.
@@ -64,7 +66,7 @@ def run_all(names: list[str], runner: Callable[[str, float], dict], budget_s: fl
     start, results = clock(), {}
     for i, name in enumerate(order):
         left = budget_s - (clock() - start)
-        timeout = min(TIMEOUTS[name][1 if quick else 0], left - MIN_PART_S * (len(order) - i - 1))
+        timeout = min(box_scale * TIMEOUTS[name][1 if quick else 0], left - MIN_PART_S * (len(order) - i - 1))
         if timeout < MIN_PART_S:
             results[name] = {"status": "skip", "seconds": 0.0,
                              "summary": [f"not run: {max(left, 0):.0f} s of the {budget_s:.0f} s budget left"]}
@@ -208,10 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"gpu-check: skipped: {reason}")
             return 0
-    budget = args.budget if args.budget is not None else BUDGET_S[1 if args.quick else 0]
+    # The CPU dry run is for developing on a shared machine, not the GPU run's 10 minutes: its time
+    # boxes and budget are DRY_RUN_SCALE times the GPU's, so a loaded CPU does not time a part out.
+    scale = DRY_RUN_SCALE if args.on_cpu else 1.0
+    budget = args.budget if args.budget is not None else scale * BUDGET_S[1 if args.quick else 0]
     t0 = time.monotonic()
     header = collect_header(args.quick, args.on_cpu, budget)
-    results = run_all(names, subprocess_runner(args.quick, args.on_cpu), budget, args.quick,
+    results = run_all(names, subprocess_runner(args.quick, args.on_cpu), budget, args.quick, box_scale=scale,
                       progress=lambda line: print(line, file=sys.stderr, flush=True))
     header["seconds"] = round(time.monotonic() - t0, 1)
     print(format_table(header, results))
