@@ -265,7 +265,7 @@ def _canned(text, rc=0):
 
 def test_pytest_part_verdicts(monkeypatch):
     ok = pytest_part(100, gpu_present=True, runner=_canned("14 passed in 3.0s\n"))
-    assert ok["status"] == "pass" and ok["summary"][0].startswith("14 passed, 0 failed")
+    assert ok["status"] == "pass" and ok["summary"][1].startswith("14 passed, 0 failed")
     bad = pytest_part(100, True, runner=_canned("FAILED tests/test_prefetch_gpu.py::test_x - assert 0\n"
                                                 "1 failed, 13 passed in 3.0s\n", rc=1))
     assert bad["status"] == "fail" and bad["failed"] == ["FAILED tests/test_prefetch_gpu.py::test_x - assert 0"]
@@ -310,7 +310,7 @@ def test_sync_recorder_tags_each_sync_with_its_phase_and_line(monkeypatch):
 
 def test_checks_pass_only_when_every_check_holds():
     c = Checks()
-    c.add("a", True)
+    c.compare("a", 3, "tensors", True)
     assert c.result(["s"], {})["status"] == "pass"
     c.add("b", False, "why")
     r = c.result(["s"], {"x": 1})
@@ -330,6 +330,6 @@ def test_cpu_dry_run_of_every_part(tmp_path):
     assert doc["header"]["mode"].startswith("cpu dry run")
     status = {p["name"]: p["status"] for p in doc["parts"]}
     assert status == {"pytest": "skip", "gradsync": "pass", "prefetch": "pass", "ws1": "pass", "trainer": "pass",
-                      "onerank": "pass"}, \
+                      "onerank": "pass", "multirank": "pass"}, \
         proc.stdout
     assert "overall: pass" in proc.stdout

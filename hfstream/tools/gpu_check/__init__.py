@@ -5,7 +5,7 @@ the machine's own python and ``PYTHONPATH=.``, no install, no network, and impor
 transformers, accelerate, the standard library and hfstream's training path (never ``datasets``
 nor ``hfstream.tools.data``). Without a GPU it prints one line and exits 0.
 
-    python -m hfstream.tools.gpu_check [--json runs/gpu_check.json] [--quick] [--parts gradsync,prefetch]
+    python -m hfstream.tools.gpu_check [--json runs/gpu_check.json] [--quick] [--parts gradsync,multirank] [--on-cpu]
 
 The parts (each in its own child process with its own time box, so a hang, a crash or a broken
 CUDA context in one is recorded in the table and the others still run):
@@ -23,10 +23,18 @@ CUDA context in one is recorded in the table and the others still run):
     5 trainer   a StreamTrainer run (tiny GPT-2 from a config, 20 steps): it trains, and its
                 ``stream_report()``
     6 onerank   GradSync on a one-rank NCCL group, kept active by a test-only switch: overlap and
-                sharded collectives on the high-priority stream, futures and callbacks, the
-                report's communication time against ``torch.profiler``'s kernel time, no host sync
-                in the whole step under ``set_sync_debug_mode("error")``; a sharded soak beside
-                default-group all-reduces
+                sharded collectives on a real NCCL group, futures and callbacks, results, no host
+                sync in the whole step under ``set_sync_debug_mode("error")``; the profiler's NCCL
+                kernels and copies counted (one rank's NCCL is a copy: nothing to time against)
+    7 multirank every visible GPU under ``torchrun`` with NCCL (a skip, saying so, with one GPU):
+                overlap and sharded against the single-process mean and bitwise across ranks, the
+                report's comm times against the NCCL kernels, no host sync in the step, the
+                forward starting with the all-gathers in flight, ``accelerator.gather`` on WORLD
+                beside the gradient group's gathers
+
+Every part says what it compared (how many of what, the first line of its row) and fails when it
+compared nothing. The run is held to a budget (560 s; ``--quick`` 215 s), so it ends within
+10 minutes (4).
 
 The modules (each imports only the standard library when imported; torch, transformers and
 hfstream's training path are imported inside the functions that run a part):
@@ -35,11 +43,14 @@ hfstream's training path are imported inside the functions that run a part):
                  process; the header; the command line (``__main__`` calls its ``main``)
     procs        a child process in its own session, killed whole at its time box; its environment
     table        the table and the JSON
-    checks       what the parts share: the named checks, the device, a small MLP
-    syncdebug    how a host sync is seen: ``set_sync_debug_mode`` "error" and "warn", a device sleep
+    checks       what the parts share: the named and counted checks, tensor comparison, the device, a small MLP
+    syncdebug    how a host sync is seen: ``set_sync_debug_mode`` "error" and "warn", a device sleep,
+                 a counter of host reads that also runs on CPU
     gpu_tests    part 1
     gradsync     part 2 (what synchronises in a GradSync step is described there)
     prefetch     part 3
     one_process  parts 4 and 5
     one_rank     part 6, and the test-only GradSync that stays active at world size 1
+    multi_rank   part 7: the launch, one rank's checks (``python -m ...multi_rank`` under torchrun), the merge
+    comm_kernels the profiler's device events: NCCL kernels or copies; the report against the kernels
 """

@@ -57,5 +57,7 @@ def pytest_part(timeout_s: float, gpu_present: bool, runner=run_child) -> dict:
         else:
             return {"status": "skip", "summary": summary + ["no GPU: every gpu test skipped"], "seconds": secs}
     status = "fail" if failed else "pass"
-    return {"status": status, "summary": summary, "failed": failed, "seconds": secs,
-            "numbers": c, "detail": tail(text, TAIL_LINES) if failed else ""}
+    # What it compared is what passed: a gpu test compares what its own asserts say; none passed -> fail above.
+    return {"status": status, "summary": [f"compared: {c['passed']} gpu tests passed"] + summary, "failed": failed,
+            "seconds": secs, "numbers": c, "compared": [["gpu tests passed", c["passed"], "tests"]],
+            "detail": tail(text, TAIL_LINES) if failed else ""}

@@ -23,7 +23,7 @@ it must catch.
 The communication times here are host-side, not the collective's: gloo's future has no CUDA
 devices, so the completion callback that records a bucket's end event runs on gloo's thread and
 records it on that thread's default stream, which is not ordered after gloo's copy back to the
-device. "comm busy/exposed" in this part are labelled so; part 6 measures them on NCCL against
+device. "comm busy/exposed" in this part are labelled so; part 7 measures them on NCCL against
 the profiler.
 """
 
@@ -33,7 +33,7 @@ import math
 import time
 from typing import Any
 
-from hfstream.tools.gpu_check.checks import Checks, mlp, mse, part_device, synchronize
+from hfstream.tools.gpu_check.checks import Checks, compare_tensors, mlp, mse, part_device, synchronize
 from hfstream.tools.gpu_check.syncdebug import SyncRecorder, calibrate_sleep, device_sleep, sync_debug
 
 
@@ -54,9 +54,10 @@ def part_gradsync(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
     for rank, out in enumerate(ranks):
         for name, ok, info in out["checks"]:
             checks.add(f"rank {rank}: {name}", ok, info)
+        checks.compared += [(f"rank {rank}: {name}", n, kind) for name, n, kind in out["compared"]]
     sums = [out["param_sum"] for out in ranks]
-    checks.add("both ranks hold the same parameters after the steps", math.isclose(sums[0], sums[1], rel_tol=1e-9),
-               f"parameter sums {sums[0]!r} vs {sums[1]!r}")
+    checks.compare("both ranks hold the same parameters after the steps", len(sums) - 1, "other rank's parameter sum",
+                   math.isclose(sums[0], sums[1], rel_tol=1e-9), f"parameter sums {sums[0]!r} vs {sums[1]!r}")
     n0 = ranks[0]["numbers"]
     summary = [
         f"grads = single-process mean over {n0['steps']} steps (max |diff| {max(o['numbers']['max_grad_diff'] for o in ranks):.1e}, "
@@ -64,7 +65,7 @@ def part_gradsync(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
         f"{n0['launched_in_backward']}/{n0['num_collectives']} buckets launched in backward"
         + (", on the side stream" if n0.get("side_stream") else ("" if on_cpu else ", NOT on a side stream"))
         + f"; comm busy {n0['comm_busy_ms']:.2f} ms, exposed {n0['exposed_comm_ms']:.2f} ms"
-        + ("" if on_cpu else " (host-side: gloo's end event is not ordered after its copy back; NCCL in part 6)"),
+        + ("" if on_cpu else " (host-side: gloo's end event is not ordered after its copy back; NCCL in part 7)"),
     ]
     if on_cpu:
         summary.append("sync checks: n/a on CPU")
@@ -78,7 +79,8 @@ def part_gradsync(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
         summary.append(f"finish() held the host {n0['finish_ms']:.1f} ms (waits for the reductions, by design; gloo's "
                        f"worker waits for its device-to-host copy); no_sync micro-step under 'error': "
                        f"{'clean' if n0['no_sync_error'] is None else 'RAISED'}")
-    summary.append(f"sharded: bucket-by-bucket step = one-call step over {n0['sharded_buckets']} buckets"
+    summary.append(f"sharded: bucket-by-bucket step = the single-process mean's AdamW step with clipping (max |diff| "
+                   f"{n0['sharded_ref_diff']:.1e}) and = the one-call step, over {n0['sharded_buckets']} buckets"
                    + ("" if on_cpu else f"; syncs inside the pipelined step: {len(n0['sharded_step_syncs'])}"))
     return checks.result(summary, {f"rank{r}": o["numbers"] for r, o in enumerate(ranks)})
 
@@ -110,6 +112,7 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
 
     # -- gradients against the single-process mean, stats of each step
     worst, bad, windows = 0.0, [], []
+    compared = 0
     stats = None
     for step in range(size["steps"]):
         x, y = data(step, rank)
@@ -124,19 +127,22 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
         for (name, p), rp in zip(model.named_parameters(), ref.parameters()):
             want = rp.grad / world_size
             worst = max(worst, (p.grad - want).abs().max().item())
+            compared += 1
             if not torch.allclose(p.grad, want, rtol=1e-4, atol=1e-6):
                 bad.append(f"step {step} {name}")
         stats = sync.stats
         opt.step()
         opt.zero_grad(set_to_none=True)
         ref.load_state_dict(model.state_dict())
-    checks.add("gradients equal the single-process mean (allclose)", not bad, ", ".join(bad[:4]))
+    checks.compare("gradients equal the single-process mean (allclose)", compared, "gradient tensors", not bad,
+                   ", ".join(bad[:4]))
     numbers.update(steps=size["steps"], max_grad_diff=worst, buckets=len(sync.buckets),
                    comm_times="host" if not cuda else "host-side (gloo on CUDA: see the module docstring)",
                    num_collectives=stats.num_collectives, launched_in_backward=stats.launched_in_backward,
                    comm_busy_ms=stats.comm_busy_ms, exposed_comm_ms=stats.exposed_comm_ms,
                    bucket_spans=[[i, b - a] for i, a, b in stats.bucket_spans])
-    checks.add("every bucket reduced once per step", stats.num_collectives == len(sync.buckets) >= 2
+    checks.compare("every bucket reduced once per step", stats.num_collectives, "all-reduces",
+                   stats.num_collectives == len(sync.buckets) >= 2
                and len(stats.bucket_spans) == stats.num_collectives,
                f"{stats.num_collectives} collectives, {len(stats.bucket_spans)} spans, {len(sync.buckets)} buckets")
     checks.add("buckets launched by the hooks while backward ran", stats.launched_in_backward >= 1,
@@ -155,15 +161,41 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
     sync.close()
     dist.barrier()
     _sharded_pipelined(rank, size, dev, cuda, checks, numbers)
-    return {"checks": checks.items, "numbers": numbers, "param_sum": param_sum}
+    return {"checks": checks.items, "compared": checks.compared, "numbers": numbers, "param_sum": param_sum}
+
+
+CLIP = 0.01     # max_norm of the sharded comparison: below the gradients' norm, so that clipping acts
 
 
 def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, numbers: dict) -> None:
-    """Sharded mode's bucket-by-bucket step (each gather launched as its slice is stepped): the same
-    parameters as the one-call step (a closure makes it one call), and no host sync in the step."""
+    """Sharded mode's bucket-by-bucket step (each gather launched as its slice is stepped): the
+    parameters of one process stepping the mean gradient with the unsharded optimizer (the truth),
+    the same as the one-call step (a closure makes it one call: another code path, so equal to the
+    bit), and no host sync in the step."""
     import torch
+    import torch.distributed as dist
 
     from hfstream import GradSync
+
+    def batch(step: int, r: int):
+        g = torch.Generator().manual_seed(7919 * step + r)
+        return [torch.randn(size["batch"], size["width"], generator=g).to(dev) for _ in range(2)]
+
+    norms: list[float] = []
+
+    def reference():
+        torch.manual_seed(0)
+        model = mlp(size["width"], size["layers"]).to(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        for step in range(size["steps"]):
+            for r in range(dist.get_world_size()):
+                mse(model, *batch(step, r)).backward()
+            for p in model.parameters():
+                p.grad.div_(dist.get_world_size())
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return [p.detach().clone() for p in model.parameters()]
 
     def run(one_call: bool, record: bool):
         torch.manual_seed(0)
@@ -172,11 +204,9 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
         opt = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
         syncs = []
         for step in range(size["steps"]):
-            g = torch.Generator().manual_seed(7919 * step + rank)
-            x, y = (torch.randn(size["batch"], size["width"], generator=g).to(dev) for _ in range(2))
-            mse(model, x, y).backward()
+            mse(model, *batch(step, rank)).backward()
             sync.finish()
-            sync.clip_grad_norm_(1.0)
+            sync.clip_grad_norm_(CLIP)
             if record and step == size["steps"] - 1 and cuda:
                 with SyncRecorder() as rec:
                     rec.phase("step")
@@ -195,10 +225,15 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
 
     piecewise, buckets, syncs = run(one_call=False, record=True)
     whole, _, _ = run(one_call=True, record=False)
-    equal = all(torch.equal(a, b) for a, b in zip(piecewise, whole))
-    checks.add("sharded: the bucket-by-bucket step gives exactly the one-call step's parameters (AdamW, clipping)",
-               equal and buckets >= 2, f"{buckets} buckets")
-    numbers.update(sharded_buckets=buckets, sharded_step_syncs=syncs)
+    truth = reference()
+    ref_diff = compare_tensors(checks, "sharded: the bucket-by-bucket step's parameters equal the single-process "
+                               "mean's (AdamW, clipping)", piecewise, truth, 1e-6, "parameter tensors")
+    compare_tensors(checks, "sharded: the bucket-by-bucket step gives exactly the one-call step's parameters",
+                    piecewise, whole, 0.0, "parameter tensors")
+    checks.add("sharded: more than one bucket (else bucket by bucket is one call)", buckets >= 2, f"{buckets} buckets")
+    checks.add("sharded: clipping acted in every step (the mean gradient's norm above max_norm)",
+               bool(norms) and min(norms) > CLIP, f"norms {[round(n, 4) for n in norms]}, max_norm {CLIP}")
+    numbers.update(sharded_buckets=buckets, sharded_step_syncs=syncs, sharded_ref_diff=ref_diff)
     if cuda:
         checks.add("sharded: no host sync inside the pipelined step (sync-debug 'warn')", not syncs, f"{syncs}")
 

@@ -10,13 +10,17 @@ in the check, and nowhere in the training path. Checks:
               every bucket's future completed and its callback ran (one span each), the NCCL group
               on a high-priority stream, no host sync in the whole step under
               ``set_sync_debug_mode("error")`` and the host a whole step ahead of a device sleep
-    sharded   reduce-scatter in backward, all-gather after the step: parameters equal plain SGD's;
-              the step report's reduce-scatter time against ``torch.profiler``'s kernel time of the
-              NCCL reduce-scatters (within 10 %, or 0.05 ms a step where both are tiny)
-    soak      sharded steps (200; 40 with --quick) with the gradient group's all-gathers in flight
-              while the default group all-reduces the loss every step (as the Trainer's loss and
-              metric gathers do): the ``new_group`` docs ask to wait for one group's work before
-              using another's; equal order on every rank should make this safe, and here it runs
+    sharded   reduce-scatter in backward, all-gather after the step: parameters equal plain SGD's
+    soak      sharded steps (100; 20 with --quick): parameters still equal plain SGD's
+
+What one rank cannot show, and this part therefore does not claim: NCCL on one rank takes a
+shortcut (a collective is a device copy, an in-place all-reduce launches nothing), so there is no
+NCCL kernel to time the report against: the profiler's device events are classified
+(`comm_kernels`) and the part says how many copies and NCCL kernels it saw; where NCCL did run a
+kernel the report is compared with it, never with a copy. A default-group collective beside the
+gradient group on one rank is a no-op, so two communicators under load are part 7's (two GPUs and
+up), as is the report against real NCCL kernels. The high-priority option of the gradient group is
+recorded, not checked: reading it back returns what ``_gradient_group`` set.
 """
 
 from __future__ import annotations
@@ -26,19 +30,16 @@ import math
 import time
 from typing import Any
 
-from hfstream.tools.gpu_check.checks import Checks, mlp, mse, part_device, synchronize
+from hfstream.tools.gpu_check.checks import Checks, compare_tensors, mlp, mse, part_device, synchronize
 from hfstream.tools.gpu_check.syncdebug import calibrate_sleep, device_sleep, sync_debug
-
-PROFILE_TOLERANCE = 0.10       # the report's comm time vs the profiler's kernel time
-PROFILE_FLOOR_MS = 0.05        # per step: below this both are launch noise
 
 
 def one_rank_sizes(quick: bool, on_cpu: bool) -> dict:
     if on_cpu:
         return dict(width=64, layers=3, batch=8, steps=3, soak=10, bucket_mb=0.02, profiled=0)
     if quick:
-        return dict(width=2048, layers=6, batch=64, steps=5, soak=40, bucket_mb=16.0, profiled=5)
-    return dict(width=4096, layers=6, batch=64, steps=5, soak=200, bucket_mb=32.0, profiled=5)
+        return dict(width=2048, layers=4, batch=64, steps=3, soak=20, bucket_mb=16.0, profiled=3)
+    return dict(width=4096, layers=6, batch=64, steps=5, soak=100, bucket_mb=32.0, profiled=5)
 
 
 def one_rank_grad_sync():
@@ -128,18 +129,19 @@ def _run(quick: bool, on_cpu: bool, dev, timeout) -> dict:
         f"{'yes' if n['overlap_callbacks'] else 'NO'}; grads unchanged (max |diff| {n['overlap_grad_diff']:.1e})",
         f"sharded: parameters = plain SGD's after {size['steps']} steps (max |diff| {n['sharded_param_diff']:.1e}); "
         f"{n['sharded_collectives']} reduce-scatters and {n['sharded_gathers']} all-gathers a step",
-        f"soak: {n['soak_steps']} sharded steps with a default-group all-reduce each, "
-        f"{n['soak_s']:.1f} s, max |diff| to plain SGD {n['soak_param_diff']:.1e}",
+        f"soak: {n['soak_steps']} sharded steps, {n['soak_s']:.1f} s, max |diff| to plain SGD {n['soak_param_diff']:.1e}",
     ]
     if cuda:
         summary.append(
             f"step under set_sync_debug_mode('error'): overlap {n['overlap_sync_error'] or 'clean'}, sharded "
             f"{n['sharded_sync_error'] or 'clean'}; host a whole step ahead of a {n['sleep_ms']:.0f} ms device sleep: "
             f"overlap {'yes' if n['overlap_host_ahead'] else 'NO'}, sharded {'yes' if n['sharded_host_ahead'] else 'NO'}")
-        summary.append(
-            f"report vs torch.profiler, reduce-scatter: {n['report_rs_ms']:.3f} vs {n['profiler_rs_ms']:.3f} ms a step "
-            f"({n['profile_steps']} steps); all-reduce (in place, one rank): {n['report_ar_ms']:.3f} vs "
-            f"{n['profiler_ar_ms']:.3f} ms (checked only where the profiler saw over {PROFILE_FLOOR_MS} ms)")
+        summary.append(f"gradient group's high-priority option: {n['nccl_high_priority_option']} (recorded, not "
+                       "checked: reading it back returns what was set)")
+        summary.append("profiler, one rank: " + "; ".join(
+            f"{op}: {n[f'{op}_nccl_kernels']} NCCL kernels, {n[f'{op}_copies']} copies"
+            + (" (NCCL's one-rank shortcut: no kernel to time the report against; part 7 does)"
+               if not n[f"{op}_nccl_kernels"] else "") for op in ("allreduce", "reducescatter")))
     else:
         summary.append("sync-debug, device sleep and profiler checks: n/a on CPU")
     return checks.result(summary, numbers)
@@ -206,32 +208,27 @@ def _host_sync_checks(mode: str, model, sync, opt, size: dict, dev, checks: Chec
     checks.add(f"{mode}: the host got through a whole step while the device still slept", ahead)
 
 
-def _report_vs_profiler(model, sync, opt, size: dict, dev, seed: int, op: str, cuda: bool) -> tuple[float, float]:
-    """Per step over ``size["profiled"]`` steps: the profiler's device ms of ``op``, the report's comm busy."""
-    busy = []
+def _one_rank_profile(model, sync, opt, size: dict, dev, seed: int, op: str, checks: Checks, numbers: dict) -> None:
+    """Profile ``size["profiled"]`` steps; count the NCCL kernels and the copies of ``op``. Only NCCL kernels
+    are compared with the report (`comm_kernels`); the one-rank shortcut's copies are counted and said."""
+    from torch.profiler import ProfilerActivity, profile
 
-    def run():
+    from hfstream.tools.gpu_check.comm_kernels import compare_comm_times, device_events, nccl_op
+
+    busy = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for k in range(size["profiled"]):
             _step(model, sync, opt, *_data(seed + k, size, dev))
             busy.append(sync.stats.comm_busy_ms)
-
-    per_step = _profiled(run, op, cuda) / max(1, size["profiled"])
-    return per_step, sum(busy) / max(1, len(busy))
-
-
-def _profiled(run_steps, name_part: str, cuda: bool) -> float:
-    """Device milliseconds of the NCCL ops whose name has ``name_part``, over ``run_steps()``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_steps()
-        synchronize(cuda)
-    total_us = 0.0
-    for ev in prof.events():
-        parent = getattr(ev, "cpu_parent", None)
-        if ev.name.startswith("nccl:") and name_part in ev.name and not (parent and parent.name.startswith("nccl:")):
-            total_us += ev.device_time_total
-    return total_us / 1e3
+        synchronize(True)
+    events = device_events(prof)
+    kernels = sum(1 for name, kind, _ in events if kind == "kernel" and nccl_op(name) == op)
+    numbers[f"{op}_nccl_kernels"] = kernels
+    numbers[f"{op}_copies"] = sum(1 for _, kind, _ in events if kind == "copy")
+    numbers[f"report_{op}_ms"] = sum(busy) / max(1, len(busy))
+    if kernels:   # this NCCL runs a kernel on one rank: then the report must match it
+        compare_comm_times(checks, f"one rank: the report's {op} time is the profiler's NCCL kernel time",
+                           numbers[f"report_{op}_ms"], events, op, len(sync.buckets), size["profiled"])
 
 
 def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
@@ -240,34 +237,31 @@ def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
     model, ref = _model(size, dev), _model(size, dev)
     sync = one_rank_grad_sync()(model, bucket_mb=size["bucket_mb"], mode="overlap", process_group=group, timeout=60)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    worst, stats = 0.0, None
+    worst, stats, compared = 0.0, None, 0
     for step in range(size["steps"]):
         x, y = _data(step, size, dev)
         mse(model, x, y).backward()
         sync.finish()
         mse(ref, x, y).backward()
         worst = max([worst] + [(p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())])
+        compared += sum(1 for _ in model.parameters())
         stats = sync.stats
         opt.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
     numbers.update(overlap_grad_diff=worst, overlap_collectives=stats.num_collectives, overlap_buckets=len(sync.buckets),
                    overlap_launched_in_backward=stats.launched_in_backward, overlap_callbacks=_callbacks_ran(stats))
-    checks.add("overlap: GradSync active on one rank (the test-only switch)", bool(sync.bucket_states),
-               f"{len(sync.bucket_states)} buckets at run time")
-    checks.add("overlap: gradients unchanged by the mean over one rank", worst <= 1e-6, f"max |diff| {worst:.1e}")
-    checks.add("overlap: every bucket's future completed and its callback ran", _callbacks_ran(stats),
-               f"{len(stats.bucket_spans)} spans, {stats.num_collectives} collectives")
+    checks.compare("overlap: GradSync active on one rank (the test-only switch)", stats.num_collectives,
+                   "all-reduces a step", bool(sync.bucket_states), f"{len(sync.bucket_states)} buckets at run time")
+    checks.compare("overlap: gradients unchanged by the mean over one rank", compared, "gradient tensors",
+                   worst <= 1e-6, f"max |diff| {worst:.1e}")
+    checks.compare("overlap: every bucket's future completed and its callback ran", len(stats.bucket_spans),
+                   "bucket spans", _callbacks_ran(stats), f"{stats.num_collectives} collectives")
     checks.add("overlap: buckets launched from the hooks in backward", stats.launched_in_backward >= 1,
                f"{stats.launched_in_backward} of {stats.num_collectives}")
     if cuda:
         _host_sync_checks("overlap", model, sync, opt, size, dev, checks, numbers)
         numbers["profile_steps"] = size["profiled"]
-        per_step, report = _report_vs_profiler(model, sync, opt, size, dev, 2000, "all_reduce", cuda)
-        numbers.update(profiler_ar_ms=per_step, report_ar_ms=report)
-        if per_step > PROFILE_FLOOR_MS:   # an in-place sum on one rank may run no kernel at all: then reported only
-            checks.add("overlap: the report's all-reduce time is the profiler's kernel time (within 10 %)",
-                       abs(report - per_step) <= max(PROFILE_TOLERANCE * per_step, PROFILE_FLOOR_MS),
-                       f"report {report:.3f} ms vs profiler {per_step:.3f} ms a step")
+        _one_rank_profile(model, sync, opt, size, dev, 2000, "allreduce", checks, numbers)
     sync.close()
 
 
@@ -280,11 +274,6 @@ def _sharded_pair(size, dev, group):
     return model, ref, sync, opt, torch.optim.SGD(ref.parameters(), lr=0.01)
 
 
-def _param_diff(model, ref, sync) -> float:
-    sync.wait_for_params()
-    return max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
-
-
 def _sharded(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
     model, ref, sync, opt, ref_opt = _sharded_pair(size, dev, group)
     stats = None
@@ -293,21 +282,18 @@ def _sharded(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
         _step(model, sync, opt, x, y)
         _step(ref, _NoSync(), ref_opt, x, y)
         stats = sync.stats
-    diff = _param_diff(model, ref, sync)
+    sync.wait_for_params()
+    diff = compare_tensors(checks, "sharded: parameters equal plain SGD's (reduce-scatter, slice step, all-gather)",
+                           list(model.parameters()), list(ref.parameters()), 1e-5, "parameter tensors")
     numbers.update(sharded_param_diff=diff, sharded_collectives=stats.num_collectives, sharded_gathers=stats.num_all_gathers)
-    checks.add("sharded: parameters equal plain SGD's (reduce-scatter, slice step, all-gather)", diff <= 1e-5,
-               f"max |diff| {diff:.1e}")
-    checks.add("sharded: every reduce-scatter's callback ran, and the previous step's all-gathers were recorded",
-               _callbacks_ran(stats) and stats.num_all_gathers == len(sync.buckets),
+    checks.compare("sharded: every reduce-scatter's callback ran, and the previous step's all-gathers were recorded",
+                   stats.num_collectives, "reduce-scatters",
+                   _callbacks_ran(stats) and stats.num_all_gathers == len(sync.buckets),
                f"{len(stats.bucket_spans)} spans, {stats.num_collectives} reduce-scatters, "
                f"{stats.num_all_gathers} all-gathers, {len(sync.buckets)} buckets")
     if cuda:
         _host_sync_checks("sharded", model, sync, opt, size, dev, checks, numbers)
-        per_step, report = _report_vs_profiler(model, sync, opt, size, dev, 3000, "reduce_scatter", cuda)
-        numbers.update(profiler_rs_ms=per_step, report_rs_ms=report)
-        close = abs(report - per_step) <= max(PROFILE_TOLERANCE * per_step, PROFILE_FLOOR_MS)
-        checks.add("sharded: the report's reduce-scatter time is the profiler's kernel time (within 10 %)",
-                   per_step > 0 and close, f"report {report:.3f} ms vs profiler {per_step:.3f} ms a step")
+        _one_rank_profile(model, sync, opt, size, dev, 3000, "reducescatter", checks, numbers)
     sync.close()
 
 
@@ -319,8 +305,6 @@ class _NoSync:
 
 
 def _soak(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
-    import torch.distributed as dist
-
     model, ref, sync, opt, ref_opt = _sharded_pair(size, dev, group)
     t0 = time.perf_counter()
     errors: list[str] = []
@@ -328,21 +312,21 @@ def _soak(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
     for step in range(size["soak"]):
         x, y = _data(10_000 + step, size, dev)
         try:
-            loss = mse(model, x, y)
-            loss.backward()
-            sync.finish()
-            opt.step()                                   # launches the all-gathers on the gradient group
-            opt.zero_grad(set_to_none=True)
-            dist.all_reduce(loss.detach().clone())       # the default group, gathers still in flight
+            _step(model, sync, opt, x, y)
         except Exception as exc:   # noqa: BLE001 - the table says where it broke
             errors.append(f"step {step}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             break
         _step(ref, _NoSync(), ref_opt, x, y)
         done += 1
     synchronize(cuda)
-    diff = _param_diff(model, ref, sync) if not errors else math.nan
-    numbers.update(soak_steps=done, soak_s=time.perf_counter() - t0, soak_param_diff=diff, soak_errors=errors)
-    checks.add(f"soak: {size['soak']} sharded steps beside default-group all-reduces, no error or hang",
-               done == size["soak"] and not errors, "; ".join(errors))
-    checks.add("soak: parameters still equal plain SGD's", diff <= 1e-4, f"max |diff| {diff:.1e}")
+    numbers.update(soak_steps=done, soak_s=time.perf_counter() - t0, soak_errors=errors)
+    checks.add(f"soak: {size['soak']} sharded steps, no error or hang", done == size["soak"] and not errors,
+               "; ".join(errors))
+    if not errors:
+        sync.wait_for_params()
+        numbers["soak_param_diff"] = compare_tensors(checks, "soak: parameters still equal plain SGD's",
+                                                     list(model.parameters()), list(ref.parameters()), 1e-4,
+                                                     "parameter tensors")
+    else:
+        numbers["soak_param_diff"] = math.nan
     sync.close()

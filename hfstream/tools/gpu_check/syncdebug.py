@@ -96,3 +96,68 @@ def device_sleep(ms: float, cycles_per_ms: float):
     done = torch.cuda.Event()
     done.record()
     return done
+
+
+# The tensor methods that hand a tensor's value to the host: on an accelerator each waits for the device.
+HOST_READS = frozenset({"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "nonzero",
+                        "equal", "allclose", "is_nonzero", "cpu"})
+
+
+@contextlib.contextmanager
+def host_reads(device_type: str):
+    """Inside the block, count the torch calls made (``.calls``) and record every call that reads a tensor
+    of ``device_type`` on the host (``.reads``: ``name at file:line``), on any thread.
+
+    The counting twin of ``set_sync_debug_mode("error")``: it also runs on CPU (so the dry run checks
+    the same step), and it names the Python line. The reads are seen by wrapping the tensor methods
+    in `HOST_READS` on ``torch.Tensor`` for the block (process-wide, so the gradient hooks autograd
+    runs are seen too: a ``TorchFunctionMode`` is not active inside backward's hooks); a sync inside a
+    C++ op is not seen, which on a GPU the sync-debug mode covers. ``.calls`` (a ``TorchFunctionMode``
+    on this thread) is what it watched: zero means it watched nothing.
+    """
+    import threading
+    import traceback
+
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class Counter(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+            self.reads: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    watch = Counter()
+
+    inside = threading.local()      # the read's own dispatch (through the mode) calls the wrapper again
+
+    def wrap(name, original):
+        def reading(self, *args, **kwargs):
+            if getattr(inside, "read", False):
+                return original(self, *args, **kwargs)
+            if self.device.type == device_type and not (name == "cpu" and device_type == "cpu"):
+                where = traceback.extract_stack(limit=2)[0]
+                watch.reads.append(f"{name} at {Path(where.filename).name}:{where.lineno}")
+            inside.read = True
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                inside.read = False
+        return reading
+
+    saved = {name: torch.Tensor.__dict__.get(name) for name in HOST_READS if hasattr(torch.Tensor, name)}
+    for name in saved:
+        setattr(torch.Tensor, name, wrap(name, getattr(torch.Tensor, name)))
+    try:
+        with watch:
+            yield watch
+    finally:
+        for name, own in saved.items():
+            if own is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, own)
