@@ -62,6 +62,12 @@ ALLOWED: dict[str, dict[str, str]] = {
             "(the return after putting the loader's error) the consumer raises at the error and never reads "
             "the end marker the thread then tries to put; once the generator is closed the put gives up",
     },
+    "10.sharded_step": {
+        "coef = min(1.0, max_norm / (norm + 1e-06))  ->  coef = min(1.0, max_norm / (norm - 1e-06))":
+            "the 1e-6 only keeps a zero norm from dividing by zero: either sign moves the coefficient by "
+            "2e-6 / norm, below float32's resolution at any norm that is clipped here (a norm of 1e-6 is "
+            "the only place they part)",
+    },
     "09.scaling": {
         "if world_size <= 1:  ->  (dropped)":
             "the formula itself gives 0 at N = 1: 2(N-1)/N and 2(N-1) are both 0; the guard only says so",
@@ -354,6 +360,7 @@ def _namespace(cells: list[str], forced: list[set[int]] | None = None) -> dict:
     import linecache
 
     ns = run_cell(LEARNER_PREAMBLE)
+    measuring: set[str] = set()    # names imported from course.checks: the lesson's measurements
     for n, source in enumerate(cells):
         stripped = _strip_notebook_syntax(source)
         text = keep_definitions(stripped)
@@ -365,6 +372,12 @@ def _namespace(cells: list[str], forced: list[set[int]] | None = None) -> dict:
         filename = f"<course-mutant-cell-{id(ns)}-{n}>"
         linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
         for node in ast.parse(text).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("course.checks"):
+                measuring |= {a.asname or a.name for a in node.names}
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+                    isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in measuring
+                    for c in ast.walk(node)):
+                continue     # `rs = measure_reduce_scatter(globals())`: a measurement, not a definition
             try:
                 exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), ns)
             except Exception:

@@ -436,8 +436,16 @@ def pipelined_step(mine, gathered, step_slice):
     works.append(dist.all_gather_single(gathered[-1], mine[-1], async_op=True))
     return works
 """, 1, "each gather left one step late"),
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in range(len(mine)):
+        step_slice(i)
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+    return works[::-1]
+""", 0, "the works came back as the gathers of buckets [3, 2, 1, 0]"),
 ], ids=["step_all_first", "backward_order", "gather_before_step", "waits_inside", "synchronous", "returns_nothing",
-        "one_behind"])
+        "one_behind", "returned_reversed"])
 def test_pipelined_step_mistakes_are_named(source, first, expected):
     results = _results("10.pipelined_step", source)
     failed = [r for r in results if not r.passed]
