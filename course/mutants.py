@@ -68,6 +68,11 @@ ALLOWED: dict[str, dict[str, str]] = {
             "2e-6 / norm, below float32's resolution at any norm that is clipped here (a norm of 1e-6 is "
             "the only place they part)",
     },
+    "10.gather_hook": {
+        "self.handles = []  ->  (dropped)":
+            "the handles are removed just before; a removed handle's remove() does nothing, so keeping the "
+            "list changes no hook",
+    },
     "09.scaling": {
         "if world_size <= 1:  ->  (dropped)":
             "the formula itself gives 0 at N = 1: 2(N-1)/N and 2(N-1) are both 0; the guard only says so",
