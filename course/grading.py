@@ -395,7 +395,7 @@ def _last_line(text: str) -> str:
 
 
 def run_case(exercise: Exercise, case: Case, learner: Learner, earlier_failures: int = 0,
-             failed_above: str | None = None) -> CaseResult:
+             failed_above: str | None = None, above_message: str = "") -> CaseResult:
     """Run one case.
 
     Args:
@@ -403,6 +403,8 @@ def run_case(exercise: Exercise, case: Case, learner: Learner, earlier_failures:
             the hint's second stage shows when it is at least `REVEAL_AFTER`.
         failed_above: the title of a case this one depends on (``after=``) that failed in this
             check: the case is not run.
+        above_message: that case's failure message: its first sentence is repeated, so the skipped
+            case says which mistake to fix first in the terms of what the learner did.
     """
     start = time.perf_counter()
     reveal, counted = None, True
@@ -416,8 +418,10 @@ def run_case(exercise: Exercise, case: Case, learner: Learner, earlier_failures:
             counted = False          # nothing of the learner's ran: not a try of this case
             raise
         if failed_above is not None:  # a stub still says so first, in every case
+            first = _first_sentence(above_message)
             return CaseResult(exercise.id, case.title, False,
-                              f"fix the case above first ({failed_above!r}): this case depends on it",
+                              f"fix the case above first ({failed_above!r}): this case depends on it"
+                              + (f". The mistake to fix first: {first}" if first else ""),
                               0.0, failures=earlier_failures, counted=False)
         with _time_limit(case.timeout):
             detail = case.fn(learner)
@@ -447,6 +451,14 @@ def run_case(exercise: Exercise, case: Case, learner: Learner, earlier_failures:
     else:
         result.failures = earlier_failures
     return result
+
+
+def _first_sentence(message: str, limit: int = 240) -> str:
+    """The first sentence of a failure message (up to ". " or "Hint:"), at most ``limit`` characters."""
+    text = message.split("Hint:")[0].strip() or message.strip()
+    cut = text.find(". ")
+    text = (text if cut < 0 else text[:cut]).rstrip(". ")
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
 def _learner_frame(exc: BaseException) -> str:
@@ -485,12 +497,12 @@ def check(exercise_id: str, namespace: dict[str, Any] | None = None, quiet: bool
         namespace = inspect.currentframe().f_back.f_globals
     learner = Learner(namespace, exercise)
     earlier = case_failures(exercise.id)
-    results, failed = CheckResults(), []
+    results, failed = CheckResults(), {}
     for case in exercise.cases:
         above = next((t for t in failed if t in case.after), None)
-        r = run_case(exercise, case, learner, earlier.get(case.title, 0), above)
+        r = run_case(exercise, case, learner, earlier.get(case.title, 0), above, failed.get(above, ""))
         if not r.passed:
-            failed.append(case.title)
+            failed[case.title] = failed.get(above, "") if above else r.message
         results.append(r)
     if not quiet:
         print(format_results(exercise, results))

@@ -1,6 +1,6 @@
 """Staged hints: the first failure of a case names the mistake, the formula or code comes only from
 its third failure in a row (counted in the progress file), a pass resets the count, a case that
-depends on a failed one says "fix the case above first", and the CLI's progress and multi-lesson
+depends on a failed one says "fix the case above first" and which mistake that was, and the CLI's progress and multi-lesson
 grade. Fast: temporary exercises, no notebook is executed."""
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def test_a_case_that_depends_on_a_failed_case_is_not_run_and_says_so(capsys):
     results = check("99.hint_after", namespace=run_cell(ADDS), quiet=True)
     assert [r.passed for r in results] == [False, False, False]
     for r in results[1:]:
-        assert r.message == "fix the case above first ('scale doubles'): this case depends on it"
+        # it names the mistake to fix first, as the case above diagnosed it (never its reveal)
+        assert r.message == ("fix the case above first ('scale doubles'): this case depends on it. "
+                             "The mistake to fix first: you added 2 instead of doubling"), r.message
         assert not r.counted and r.failures == 0
     assert not ran
     assert case_failures("99.hint_after") == {"scale doubles": 1}   # the skipped cases are not tries

@@ -218,3 +218,20 @@ def test_returning_the_clipped_norm_is_named_and_the_right_answer_passes():
             return float(norm)
     """)
     assert all(ok for ok, _ in messages("07.clip_after_sync", right))
+
+
+def test_a_clip_that_scales_a_small_gradient_up_is_named():
+    # Always scaling by max_norm / norm is right only while the gradient is above max_norm.
+    ns = learner("""
+        def synced_clip_step(sync, model, optimizer, max_norm):
+            sync.finish()
+            params = list(model.parameters())
+            norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+            for p in params:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+            optimizer.step()
+            optimizer.zero_grad()
+            return float(norm)
+    """)
+    results = messages("07.clip_after_sync", ns)
+    assert not results[0][0] and "clipping only ever shrinks a gradient" in results[0][1], results

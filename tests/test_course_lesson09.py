@@ -147,6 +147,24 @@ def test_crossover_mistakes_get_their_hint(cross, words):
     assert not results[0].reveal and "(lo + hi) // 2" not in results[0].message
 
 
+@pytest.mark.parametrize("cross", [
+    RIGHT_CROSS.format(adjust="").replace("<= backward_ms:\n        return None", "< backward_ms:\n        return None"),
+    RIGHT_CROSS.format(adjust="").replace("<= backward_ms else", "< backward_ms else"),
+], ids=["none-guard", "bisection"])
+def test_a_crossover_that_counts_equal_as_exceeding_is_caught(cross):
+    # Comm busy exactly equal to backward still fits: the planner's cases never land on it, the boundary case does.
+    assert cross != RIGHT_CROSS.format(adjust="")
+    results = crossover(cross=cross)
+    assert not results[0].passed and "*exceeds* backward" in results[0].message, results[0].message
+
+
+def test_min_link_with_latency_equal_to_backward_is_inf():
+    strict = RIGHT_MIN.format(latency=LAT_ALL).replace("if left <= 0:", "if left < 0:")
+    results = crossover(min_link=strict)
+    assert results[0].passed and not results[1].passed
+    assert "all of a 2 ms backward" in results[1].message, results[1].message
+
+
 def test_min_link_without_latency_is_caught():
     results = crossover(min_link=RIGHT_MIN.format(latency="0.0"))
     assert results[0].passed and not results[1].passed

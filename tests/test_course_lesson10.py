@@ -158,12 +158,18 @@ def test_sharded_step_right_answer_passes():
 
 @pytest.mark.parametrize("change, expected", [
     (("    squares = g.double().pow(2).sum().reshape(1)\n    dist.all_reduce(squares)\n    norm = squares.sqrt().item()\n",
-      "    norm = float(g.norm())\n"), "the local norm"),
+      "    norm = float(g.norm())\n"), "its own slice, and launched no collective"),
     (("    squares = g.double().pow(2).sum().reshape(1)\n    dist.all_reduce(squares)\n    norm = squares.sqrt().item()\n",
       "    local = g.norm().reshape(1)\n    dist.all_reduce(local)\n    norm = local.item()\n"),
      "sum of the ranks' norms"),
     (("dist.all_reduce(squares)", "dist.all_reduce(squares, op=dist.ReduceOp.MAX)"),
      "the all-reduce took the maximum over the ranks"),
+    (("    dist.all_reduce(squares)\n", ""), "launched no collective"),
+    (("    dist.all_reduce(squares)\n    norm = squares.sqrt().item()\n",
+      "    work = dist.all_reduce(squares, async_op=True)\n    norm = squares.sqrt().item()\n    work.wait()\n"),
+     "read before the all-reduce finished (wait() came after the read)"),
+    (("    dist.all_reduce(squares)\n", "    dist.all_reduce(squares, async_op=True)\n"),
+     "read before the all-reduce finished (its work was never waited for)"),
     (("coef = min(1.0, max_norm / (norm + 1e-6))", "coef = max_norm / (norm + 1e-6)"), "scaled the gradient *up*"),
     (("flat_params[mine].add_(g, alpha=-lr * coef)", "flat_params.add_(grad_buffer, alpha=-lr * coef)"),
      "changed slices it does not own"),
@@ -173,6 +179,27 @@ def test_sharded_step_mistakes_are_named(change, expected):
     assert old in STEP_RIGHT
     messages = _messages("10.sharded_step", STEP_RIGHT.replace(old, new))
     assert messages and any(expected in m for m in messages), messages
+
+
+def test_a_read_before_wait_a_missing_collective_and_max_get_distinct_messages_and_the_step_case_names_it():
+    """Three mistakes that all leave some rank with the wrong norm: each gets its own first message, and
+    the skipped step case repeats which one to fix first (in what the learner did, not the code)."""
+    variants = {
+        "early read": STEP_RIGHT.replace("    dist.all_reduce(squares)\n    norm = squares.sqrt().item()\n",
+                                         "    work = dist.all_reduce(squares, async_op=True)\n"
+                                         "    norm = squares.sqrt().item()\n    work.wait()\n"),
+        "no collective": STEP_RIGHT.replace("    dist.all_reduce(squares)\n", ""),
+        "max": STEP_RIGHT.replace("dist.all_reduce(squares)", "dist.all_reduce(squares, op=dist.ReduceOp.MAX)"),
+    }
+    firsts = {}
+    for name, source in variants.items():
+        messages = _messages("10.sharded_step", source)
+        assert len(messages) == 2, (name, messages)
+        first = messages[0].split(":")[1]
+        assert "fix the case above first" in messages[1] and first.strip() in messages[1], (name, messages)
+        assert "all_reduce(" not in messages[0] + messages[1], (name, messages)     # never the answer's code
+        firsts[name] = messages[0]
+    assert len({m.split(". ")[0] for m in firsts.values()}) == 3, firsts
 
 
 def test_clipping_with_the_local_norm_while_returning_the_global_one_is_named():
@@ -409,8 +436,16 @@ def pipelined_step(mine, gathered, step_slice):
     works.append(dist.all_gather_single(gathered[-1], mine[-1], async_op=True))
     return works
 """, 1, "each gather left one step late"),
+    ("""
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in range(len(mine)):
+        step_slice(i)
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+    return works[::-1]
+""", 0, "the works came back as the gathers of buckets [3, 2, 1, 0]"),
 ], ids=["step_all_first", "backward_order", "gather_before_step", "waits_inside", "synchronous", "returns_nothing",
-        "one_behind"])
+        "one_behind", "returned_reversed"])
 def test_pipelined_step_mistakes_are_named(source, first, expected):
     results = _results("10.pipelined_step", source)
     failed = [r for r in results if not r.passed]

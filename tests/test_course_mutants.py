@@ -41,3 +41,24 @@ def test_every_mutant_of_a_sample_exercise_is_killed_or_listed():
     # The dtype mutant (every element 4 bytes) is among the killed ones, by the mixed-dtype case.
     dtype = [o for o in outcomes if o.mutant.kind == "dtype"]
     assert dtype and all(o.killed and "dtype" in o.by for o in dtype), [(o.by, o.message) for o in dtype]
+
+
+def test_an_answer_that_is_an_assignment_runs_and_a_sample_spreads_over_the_mutants():
+    # 00.real_apis's answer is `is_real = {spec: api_exists(spec) ...}`: a call of a notebook function that
+    # keep_definitions drops from a cell; the tool runs it because it lies inside the solution's lines.
+    cell = mutants.CellSpec("def f(x):\n    return x + 1\nis_real = {k: f(k) for k in range(3)}\nprint(is_real)\n",
+                            {2, 3}, "99.x")
+    assert cell.forced == {1}
+    ns = mutants._namespace([cell.source], [cell.forced])
+    assert ns["is_real"] == {0: 1, 1: 2, 2: 3}
+    assert "is_real" not in mutants._namespace([cell.source])      # what keep_definitions alone keeps
+    found = mutants.mutants_of(cell)
+    picked = mutants._sampled(found, 3)
+    assert len(picked) == 3 and picked[0] is found[0] and len({id(m) for m in picked}) == 3
+    assert mutants._sampled(found, None) == found == mutants._sampled(found, len(found) + 5)
+
+
+def test_a_statement_is_never_moved_past_a_docstring():
+    cell = mutants.CellSpec('def g(w):\n    """Doc."""\n    w.wait()\n    return 1\n', {3, 4}, "99.x")
+    moved = [m for m in mutants.mutants_of(cell) if m.kind == "wait"]
+    assert [m.after for m in moved] == ["(moved after its neighbour)"], moved

@@ -154,6 +154,8 @@ class _Probe:
 
     def __init__(self):
         self.events = []
+        self.losses = []      # every forward's loss, in the order they were computed
+        self.grads = []       # the gradient each optimizer step saw
 
     def work(self, phase):
         t0 = time.perf_counter()
@@ -182,7 +184,9 @@ class _ProbeModel(nn.Module):
     def forward(self, input_ids, labels=None, **kwargs):
         self.probe.work("forward")
         out = _SlowGrad.apply(self.w, self.probe)
-        return SimpleNamespace(loss=(out * input_ids.float()).mean(), logits=out)
+        loss = (out * input_ids.float()).mean()
+        self.probe.losses.append(float(loss))
+        return SimpleNamespace(loss=loss, logits=out)
 
 
 class _ProbeOptimizer(torch.optim.SGD):
@@ -192,6 +196,8 @@ class _ProbeOptimizer(torch.optim.SGD):
 
     def step(self, closure=None):
         self.probe.work("optimizer")
+        w = self.param_groups[0]["params"][0]
+        self.probe.grads.append(None if w.grad is None else w.grad.detach().clone())
         return super().step(closure)
 
 
@@ -285,6 +291,21 @@ def _(learner):
     fetched = sum(1 for e in probe.events if e[0] == "data")
     if fetched != 3:
         raise Wrong(f"3 steps fetched {fetched} batches: fetch exactly one batch per step")
+    backwards = sum(1 for e in probe.events if e[0] == "backward")
+    if backwards != 3:
+        raise Wrong(f"3 steps ran backward {backwards} times: every step computes its gradients (loss.backward()) "
+                    f"before the optimizer steps, or the optimizer steps on stale or no gradients")
+    # Batch k holds k + 1 everywhere, so step k's own gradient is (k + 1) / 4 per element.
+    for k, g in enumerate(probe.grads):
+        own = (k + 1) / 4
+        if g is not None and not torch.allclose(g, torch.full_like(g, own)):
+            raise Wrong(f"step {k + 1}'s optimizer saw a gradient of {float(g[0]):.2f} per element, its own batch "
+                        f"gives {own:.2f}: the earlier steps' gradients were still in .grad (backward adds to "
+                        f".grad). Clear the gradients once per step, in the optimizer phase")
+    if values != probe.losses[:3] and values == probe.losses[:3][::-1]:
+        raise Wrong("the losses came back last step first: return them in the order the steps ran")
+    if not all(math.isclose(v, w, rel_tol=1e-6) for v, w in zip(values, probe.losses)):
+        raise Wrong(f"the losses returned {values} are not the steps' losses {probe.losses[:3]}, in order")
 
 
 # --------------------------------------------------------------------------- 01.breakdown
@@ -364,6 +385,25 @@ def _(learner):
                     "(an inner span before its outer one), so sort by start time first")
     got = _result(learner, _synthetic(steps=3, warm_forward_ms=0.0), warmup=0)
     assert _close(got, _WANT), f"warmup=0 over 3 identical steps gave {got}, expected {_WANT}"
+    got = _result(learner, _varied(), warmup=1)
+    want = {"data_wait_ms": 30.0, "step_ms": 102.0}
+    if not _close(got, want):
+        raise Wrong(f"steps whose data waits take 10, 20, 30 and 40 ms (warmup=1) gave data_wait_ms = "
+                    f"{got.get('data_wait_ms', math.nan):.1f} and step_ms = {got.get('step_ms', math.nan):.1f}; "
+                    f"the mean over the 3 steps after the first is 30 and 102. Skip exactly `warmup` steps, and "
+                    f"keep an inner span (the 'collate' inside each 'data wait') in the step it started in")
+
+
+def _varied() -> list[tuple]:
+    """4 steps whose data wait takes 10, 20, 30, 40 ms, each holding an inner 'collate' span, in the order
+    their blocks close (the inner span first)."""
+    out = []
+    for k in range(4):
+        t, d = 10.0 + k, 10.0 * (k + 1)
+        out += [(0, "data", "collate", t + 0.001, t + (d - 1) / 1e3), (0, "data", "data wait", t, t + d / 1e3)]
+        for name, a, b in (("forward", 1, 21), ("backward", 21, 61), ("optimizer", 62, 72)):
+            out.append((0, "compute", name, t + (d + a) / 1e3, t + (d + b) / 1e3))
+    return out
 
 
 @breakdown_ex.case("several micro-steps per step (gradient accumulation) add up",

@@ -356,11 +356,12 @@ def _(learner):
         except ValueError:
             pass
 
-    for how, fn, src in (("`break` after 3 batches", stop_by_break, _Source()),
-                         ("gen.close() after 2 batches", stop_by_close, _Source()),
-                         ("the loader's error", stop_by_error, _Source(n=50, fail_at=4))):
+    for how, fn, src, used in (("`break` after 3 batches", stop_by_break, _Source(), 3),
+                               ("gen.close() after 2 batches", stop_by_close, _Source(), 2),
+                               ("the loader's error", stop_by_error, _Source(n=50, fail_at=4), 5)):
         before = set(threading.enumerate())
         done, _, err, _ = _within(_DEADLINE_S, fn, src)
+        left_at_return = _new_threads(before)     # still running when the loop's stop returned
         try:
             if not done:
                 raise Wrong(f"stopping early ({how}) hung: your generator's finally waits for a thread that "
@@ -384,6 +385,16 @@ def _(learner):
                             "blocked in put() on a full queue for a consumer that is gone: in the generator's "
                             "finally, set a stop Event, make the thread put(item, timeout=0.05) in a loop that "
                             "checks it (or drain the queue), then join() it")
+            # depth 2: at most 2 batches in the queue and 1 in the thread's hand beyond those the loop used
+            if src.pulled > used + 2 + 1:
+                raise Wrong(f"once the loop stopped ({how}) after using {used} batch(es), your thread went on "
+                            f"pulling from the loader ({src.pulled} pulled) before it ended: when a put() finds the "
+                            f"stop Event set, the thread must stop reading the loader, not only skip the put")
+            if left_at_return:
+                raise Wrong(f"once the loop stopped ({how}), your generator returned while its thread "
+                            f"({left_at_return[0].name}) was still running (it ended a moment later): wait for the "
+                            f"thread to end in the generator's finally, so that nothing of the prefetcher runs on "
+                            f"after the loop has moved on")
         finally:
             src.release()
     return "break, close() and a loader error each leave no thread"

@@ -400,7 +400,9 @@ def _names_by_numel(model) -> dict[int, str]:
 
 
 def _fake_sequences(cls) -> dict:
-    """Two steps of two ranks (rank 1 skips ``expert``) with the stand-in all-reduce."""
+    """Three steps of two ranks (rank 1 skips ``expert``) with the stand-in all-reduce; in the third both
+    ranks use ``spare`` too, so on rank 0 every parameter's hook fires and the head runs off the end of
+    the order inside a hook."""
     out = {}
     for rank in (0, 1):
         model = Branchy()
@@ -409,9 +411,11 @@ def _fake_sequences(cls) -> dict:
             sync = cls(model)
             log.clear()
             steps = []
-            for step in range(2):
+            for step in range(3):
                 x = torch.randn(4, 3, generator=torch.Generator().manual_seed(step))
                 loss = model(x, use_expert=(rank == 0)).square().mean()
+                if step == 2:
+                    loss = loss + model.spare.square().sum()
                 log.in_backward = True
                 loss.backward()
                 log.in_backward = False
@@ -448,7 +452,7 @@ def _ordered_fake(learner):
 def _diagnose_order(seqs: dict) -> str | None:
     """A Wrong message for a launch pattern that would hang real ranks, or None."""
     every = [n for n, _ in Branchy().named_parameters()]
-    for step in (0, 1):
+    for step in range(len(seqs[0])):
         r0 = [n for n, _ in seqs[0][step]]
         r1 = [n for n, _ in seqs[1][step]]
         for rank, seq in ((0, r0), (1, r1)):
@@ -456,12 +460,14 @@ def _diagnose_order(seqs: dict) -> str | None:
             if dup:
                 return (f"step {step + 1}, rank {rank}: {dup[0]} was reduced {seq.count(dup[0])} times: launch each "
                         f"parameter exactly once per step (advance self.next past what you launch)")
-            if step == 1 and not seq:
-                return ("step 2 launched nothing: finish() must leave the per-step state (self.next, self.ready) "
+            if step >= 1 and not seq:
+                return (f"step {step + 1} launched nothing: finish() must leave the per-step state (self.next, self.ready) "
                         "as __init__ set it, for the next step")
             missing = [n for n in every if n not in seq]
             if missing:
-                who = "no rank uses it" if missing[0] == "spare" else f"rank {rank} did not use it this step"
+                who = ("no rank uses it" if missing[0] == "spare" and step < 2
+                       else f"rank {rank} did not use it this step" if missing[0] != "spare" else "")
+                who = who or "every parameter was used: the last hook launched the whole order"
                 return (f"step {step + 1}, rank {rank}: {missing[0]} was never reduced ({who}), so its partner rank "
                         f"waits forever for that all-reduce. finish() must launch every parameter not launched yet, "
                         f"with zeros for a missing .grad (self._launch does that)")

@@ -488,7 +488,19 @@ def _(learner):
         raise Wrong("you returned this rank's own gradient norm, measured before finish(): measure after the sync")
     assert math.isclose(got, truth["mean_norm"], rel_tol=1e-4), (
         f"returned norm {got:.4g}, the averaged gradient's norm is {truth['mean_norm']:.4g}")
-    return f"norm {got:.3f} clipped to {max_norm}"
+    # A max_norm the gradient stays below: the step is plain SGD on the mean (clipping never scales up).
+    big = 50.0
+    model, sync, opt, below = _clip_setup(big)
+    assert below["mean_norm"] < big / 2
+    got_below = learner.synced_clip_step(sync, model, opt, big)
+    if not _close(list(model.parameters()), below["want"]):
+        raise Wrong(f"with max_norm={big:g}, above the averaged gradient's norm ({below['mean_norm']:.3f}), the step "
+                    f"must be plain SGD on the mean gradient, and yours changed the weights otherwise: clipping only "
+                    f"ever shrinks a gradient (the coefficient max_norm / norm is capped at 1)")
+    if got_below is not None and not math.isclose(float(got_below), below["mean_norm"], rel_tol=1e-4):
+        raise Wrong(f"with max_norm={big:g} you returned {float(got_below):.4g}; the averaged gradient's norm "
+                    f"is {below['mean_norm']:.4g}, whether or not it was clipped")
+    return f"norm {got:.3f} clipped to {max_norm}; below max_norm={big:g} left as is"
 
 
 @clip.case("the step leaves no gradient behind for the next one",

@@ -487,7 +487,27 @@ def _(learner):
             raise Wrong(f"{label}: you returned {got}, a power of two; the crossover is N = {want}. Comm busy grows "
                         f"monotonically in N, so bisect over every integer", reveal=REVEAL_CROSSOVER)
         raise AssertionError(f"{label}: crossover_world_size returned {got}, the planner says {want}")
-    return "; ".join(answers)
+    _crossover_at_the_boundary(learner)
+    return "; ".join(answers) + "; comm busy equal to backward still hidden"
+
+
+# One 1 GB bucket on a 1 GB/s link without latency: comm busy is 1000 ms at N=2 and 1500 ms at N=4,
+# exactly in floating point in any order of the formula's operations (1.5 x 1e9 / 1e9 x 1e3).
+BOUNDARY_BUCKETS, BOUNDARY_GBS, BOUNDARY_BACKWARD = [10**9], 1.0, 1500.0
+
+
+def _crossover_at_the_boundary(learner) -> None:
+    """Comm busy exactly equal to backward is still hidden: the crossover is the first N that *exceeds*."""
+    for max_n, want in ((8, 5), (4, None)):
+        got = learner.crossover_world_size(BOUNDARY_BACKWARD, list(BOUNDARY_BUCKETS), BOUNDARY_GBS, 0.0,
+                                           max_world_size=max_n)
+        if got == want:
+            continue
+        raise Wrong(f"one 1 GB bucket on a 1 GB/s link, no latency, backward 1500 ms, max_world_size={max_n}: "
+                    f"comm busy is exactly 1500 ms at N=4, which still fits in backward; you returned {got}. "
+                    f"The crossover is the first N whose comm busy *exceeds* backward"
+                    + (", and None when even max_world_size does not" if want is None else ""),
+                    reveal=REVEAL_CROSSOVER)
 
 
 @crossover.case("the slowest link that keeps comm busy within backward",
@@ -543,7 +563,17 @@ def _(learner):
         raise AssertionError(f"at N={n}: with {got:.4g} GB/s the planner says comm busy "
                              f"{fast['comm_busy_ms']:.0f} ms vs backward {bwd:.0f} ms "
                              f"({'fits' if fast['overlap_complete'] else 'does not fit'}); it should just fit")
-    return "; ".join(details)
+    # Latency terms exactly equal to backward (2 buckets x 2(N-1) x 500 us = 2 ms at N=2): nothing is left
+    # for the bytes, so no bandwidth is fast enough.
+    try:
+        got = learner.min_link_gbs(2, 2.0, [2**20, 2**20], 500.0)
+    except ZeroDivisionError:
+        got = "nothing: it divided by zero"
+    if got != math.inf:
+        raise Wrong(f"at N=2 with 2 buckets and 500 us per ring step the latency terms alone take 2 ms, all of a "
+                    f"2 ms backward, and you returned {got if isinstance(got, str) else repr(got)}: no time is left for the bytes, so no bandwidth "
+                    f"fits (math.inf)", reveal=REVEAL_MIN_LINK)
+    return "; ".join(details) + "; latency equal to backward: none"
 
 
 # =============================================================================================

@@ -100,9 +100,12 @@ def _gather_rank(rank, world_size, world, cls):
         garbage = [i for i, m in enumerate(layers) if any(bool(p.isnan().any()) for p in m.parameters())]
         steps.append({"right": _close(out, target(x)), "again": _close(again, target(x)), "stale": stale,
                       "garbage": garbage, "log": world.take(rank)})
+    hooks_left = None
     if hasattr(g, "close"):
         g.close()
-    return {"layout": None, "steps": steps, "layers": len(layers), "ptr": mine_ptr}
+        # one pre-hook per layer is the check's own (the "forward" note); the rest are the learner's
+        hooks_left = sum(len(m._forward_pre_hooks) for m in layers) - len(layers)
+    return {"layout": None, "steps": steps, "layers": len(layers), "ptr": mine_ptr, "hooks_left": hooks_left}
 
 
 def _gather_facts(learner) -> dict:
@@ -157,6 +160,11 @@ def _(learner):
                             "nothing when layer i has no pending gather (forget a work once it is waited for)",
                             reveal=GATHER_REVEAL)
             raise AssertionError(f"step {s}: the forward's output differs from the model with the updated values")
+        if res.get("hooks_left"):
+            raise Wrong(f"rank {rank}: after close() the model still carries {res['hooks_left']} forward pre-hook(s) "
+                        f"of yours: every later forward would still wait for gathers (a model handed back to "
+                        f"plain training, or evaluated, keeps paying for them). close() removes what __init__ "
+                        f"registered", reveal=GATHER_REVEAL)
     return "2 steps, the updated parameters on both ranks"
 
 

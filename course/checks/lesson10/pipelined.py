@@ -60,8 +60,12 @@ def _pipe_rank(rank, world_size, world, fn):
         for w in returned:
             if w is not None and hasattr(w, "wait"):
                 w.wait()
+    outputs = {g.data_ptr(): i for i, g in enumerate(gathered)}
+    buckets = None if returned is None else [
+        outputs.get(getattr(getattr(getattr(w, "_op", None), "tensor", None), "data_ptr", lambda: None)())
+        for w in returned]
     return {"log": log, "ptr": ptr, "gathered": [g.clone() for g in gathered], "returned": returned,
-            "stepped": sorted(stepped)}
+            "returned_buckets": buckets, "stepped": sorted(stepped)}
 
 
 def _pipe_facts(learner) -> list[dict]:
@@ -97,6 +101,12 @@ def _(learner):
             got = "nothing" if res["returned"] is None else f"{len(res['returned'])} item(s)"
             raise Wrong(f"pipelined_step returned {got}: return the {n} works in flight, one per bucket, so that "
                         f"the next forward can wait for each where it needs it (as ParamGather.wait_for did)",
+                        reveal=PIPE_REVEAL)
+        order = res["returned_buckets"]
+        if None not in order and order != list(range(n)):
+            raise Wrong(f"rank {rank}: the works came back as the gathers of buckets {order}: the contract is one "
+                        f"work per bucket in bucket order, because the next forward's pre-hook for bucket i waits "
+                        f"for works[i], and any other order makes it wait for another bucket's gather",
                         reveal=PIPE_REVEAL)
         for i in range(n):
             got = res["gathered"][i]

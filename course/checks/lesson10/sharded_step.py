@@ -87,6 +87,26 @@ def _as_float(value, n, rank) -> float:
                 f"(a float), as torch.nn.utils.clip_grad_norm_ does")
 
 
+def _local_norm_why(n: int, rank: int, got: float, log: list[dict]) -> None:
+    """A `Wrong` naming why a rank returned its own slice's norm, from what its log shows it launched and
+    waited for: no collective at all, or an asynchronous all-reduce read before its wait()."""
+    launched = [e for e in log if e["event"] == "launch"]
+    if not launched:
+        raise Wrong(f"{n} ranks: rank {rank} returned {got:.4f}, the norm of its own slice, and launched no "
+                    f"collective: it never heard from the other ranks. A rank holds one slice of the gradient; "
+                    f"the whole norm needs every slice's share, combined across the ranks before it is read",
+                    reveal=STEP_REVEAL)
+    waited = {e["op"] for e in log if e["event"] == "wait"}
+    pending = [e for e in launched if e["kind"] == "all_reduce" and e.get("async_op")]
+    if pending:
+        never = [e for e in pending if e["op"] not in waited]
+        raise Wrong(f"{n} ranks: rank {rank} launched its all-reduce with async_op=True and returned {got:.4f}, "
+                    f"its own slice's norm: the number was read before the all-reduce finished"
+                    + (" (its work was never waited for)" if never else " (wait() came after the read)")
+                    + ". Until wait() returns, the tensor still holds this rank's own value (on a real process "
+                      "group, whatever has arrived so far)", reveal=STEP_REVEAL)
+
+
 def _near(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6)
 
@@ -111,6 +131,7 @@ def _(learner):
                 continue
             _, buf = step_inputs(rank, n)
             if _near(got, local[rank]):
+                _local_norm_why(n, rank, got, runs[0]["log"])
                 raise Wrong(f"{n} ranks: rank {rank} returned {got:.4f}, the norm of its own slice (the local "
                             f"norm); the whole gradient's is {truth:.4f}. Clipped with the local norm, every rank "
                             f"scales its slice by a different coefficient and the step is not the unsharded one",
