@@ -68,6 +68,10 @@ CONTENTION_LOSS = 0.15
 # sweep (`hfstream.tools.bench.sweep`) on a quiet machine. Empty until that sweep has been run there:
 # then every advice says its error is not yet measured (docs/benchmarks.md, the sweep section).
 EXPECTED_ERROR: dict[str, float] = {}
+# A mode switch is advised only once the sweep has checked its prediction against measured runs of
+# both modes on the same kind of machine (an `EXPECTED_ERROR` entry): before that (issue 30) it made
+# two runs of three slower. Until then its prediction is kept in the report as ``unchecked_advice``.
+CHECKED_BY_SWEEP = ("grad_sync",)
 
 
 @dataclass
@@ -97,6 +101,8 @@ class RunFacts:
             launched in the run (`measured_ready`), or None: bytes-proportional.
         comm_slowdown: ms of backward per ms of communication in flight in it (`comm_slowdown`),
             or None where the run could not tell.
+        mode_switch_checked: advise a ``grad_sync`` switch (None: only once `EXPECTED_ERROR` has one,
+            `CHECKED_BY_SWEEP`).
     """
 
     grad_sync: str | None
@@ -118,6 +124,7 @@ class RunFacts:
     samples_per_step: int = 0
     bucket_ready: list[float] | None = None
     comm_slowdown: float | None = None
+    mode_switch_checked: bool | None = None
 
 
 @dataclass
@@ -400,12 +407,15 @@ def _say(ms: float) -> str:
     return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
 
 
-def advise(mean: dict, facts: RunFacts, ruled_out: list[str] | None = None) -> list[dict]:
+def advise(mean: dict, facts: RunFacts, ruled_out: list[str] | None = None,
+           unchecked: list[dict] | None = None) -> list[dict]:
     """Advice for the run whose measured means are ``mean`` (the report's ``mean``), best first.
 
     Args:
         ruled_out: if given, gets one sentence per candidate not advised and why (no spare core,
             predicted to save too little, nothing to hide, ...).
+        unchecked: if given, gets the advice held back because its kind of prediction has not been
+            checked by the sweep yet (`CHECKED_BY_SWEEP`), with its prediction.
 
     Returns:
         A list of ``{"setting", "value", "predicted_step_ms", "reason", "changes_results", "saving",
@@ -422,8 +432,16 @@ def advise(mean: dict, facts: RunFacts, ruled_out: list[str] | None = None) -> l
         return []
     out = _data_advice(parts, facts, why) + _comm_advice(parts, facts, why) + _accumulation_advice(parts, facts, why)
     worth = []
+    checked = facts.mode_switch_checked
     for a in out:
-        if a["saving"] >= MIN_SAVING:
+        held = a["setting"] in CHECKED_BY_SWEEP and not (checked if checked is not None else a["setting"] in EXPECTED_ERROR)
+        if a["saving"] >= MIN_SAVING and held:
+            why.append(f"{a['setting']}={a['value']}: predicted {a['predicted_step_ms']:g} ms, but a mode switch is "
+                       f"advised only once the sweep has checked such predictions against measured runs of both "
+                       f"modes on this kind of machine (not yet)")
+            if unchecked is not None:
+                unchecked.append(a)
+        elif a["saving"] >= MIN_SAVING:
             worth.append(a)
         else:
             unit = "per sample" if "predicted_ms_per_sample" in a else "of the step"
@@ -457,7 +475,9 @@ def advise_report(report: dict, facts: RunFacts) -> dict:
         facts.comm_slowdown = comm_slowdown(spans)
     mean = report.get("mean") or {}
     why: list[str] = []
-    report["advice"] = advise(mean, facts, why)
+    held: list[dict] = []
+    report["advice"] = advise(mean, facts, why, held)
+    report["unchecked_advice"] = held
     efficiency = mean.get("efficiency")
     if isinstance(efficiency, (int, float)) and not math.isnan(efficiency) and efficiency >= 1 - MIN_SAVING:
         why.insert(0, f"at the ceiling: the step is within {1 - efficiency:.0%} of its ceiling "
