@@ -36,10 +36,13 @@ def test_the_summary_counts_the_targets_of_the_issue():
         dict(base, run="b", efficiency=0.6, applied={"grad_bucket_mb": 4.0}, saved=-0.1, error=-0.4,
              unit="ms/step", before_ms=10.0, predicted=6.6, measured=11.0),
         dict(base, run="c", efficiency=0.99, before_ms=10.0, ruled_out=["at the ceiling"]),
+        dict(base, run="e", efficiency=0.97, data_kind="holds_gil", applied={"dataloader_num_workers": 1},
+             saved=0.3, error=0.1, unit="ms/step", before_ms=10.0, predicted=7.7, measured=7.0),
         dict(base, run="d", skipped="no root"),
     ]
     s = summarize(rows)
-    assert s["ran"] == 3 and s["skipped"] == 1 and s["bottleneck_saved_10pct"] == "1/2"
+    # A producer holding the GIL is a bottleneck the ceiling does not show (it slows forward and backward).
+    assert s["ran"] == 4 and s["skipped"] == 1 and s["bottleneck_saved_10pct"] == "2/3"
     assert s["slower"] == ["b"] and s["max_abs_error"] == pytest.approx(0.4) and s["ceiling_runs_advised"] == []
     text = table(rows)
     assert text.count("\n") == len(rows) + 1 and "skipped: no root" in text and "(none: at the ceiling)" in text
