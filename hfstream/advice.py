@@ -644,13 +644,15 @@ def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
         return max((c for c in scored if c[1] <= low * 1.02), key=lambda c: c[0])
 
     # The bucket cap, in the mode the run has.
+    ready_said = (f"buckets ready as the run's spans show (the first at {facts.bucket_ready[0]:.0%} of backward)"
+                  if _ready_curve(facts) else "buckets assumed ready in proportion to their bytes (no spans measured)")
     if not facts.auto_bucket:
         best = best_cap(mode, parts.optimizer, [c for c in BUCKET_CANDIDATES_MB if c != facts.bucket_mb])
         out.append(_advice(
             "grad_bucket_mb", best[0], predicted(best[1]),
             f"{_say(exposed)} of the {_say(parts.step)} step waited for communication ({_say(parts.busy)} busy) "
             f"with {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
-            f"link less after backward (or 'auto' tunes it in the first steps)", parts.step))
+            f"link less after backward (or 'auto' tunes it in the first steps); {ready_said}", parts.step))
     # The other mode: overlap <-> sharded (the optimizer then steps 1/N of the parameters, or all).
     if mode in ("overlap", "sharded"):
         other_mode = "sharded" if mode == "overlap" else "overlap"

@@ -49,7 +49,7 @@ def test_the_summary_counts_the_targets_of_the_issue():
 
 
 def test_the_three_run_sample_runs_and_fills_the_table(tmp_path):
-    rows = [run_one(spec, steps=5, tmp=str(tmp_path), in_process=True) for spec in sample_runs()]
+    rows = [run_one(spec, steps=4, tmp=str(tmp_path), in_process=True) for spec in sample_runs()]
     assert [r["run"] for r in rows] == [s.name for s in sample_runs()]
     for r in rows:
         assert "skipped" not in r and r["before_ms"] > 0, r
