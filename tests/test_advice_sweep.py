@@ -60,6 +60,7 @@ def test_the_three_run_sample_runs_and_fills_the_table(tmp_path):
     # a waiting producer needs no spare core. Robust on a loaded machine: a sleep spends no CPU.
     wait = rows[0]
     assert wait.get("applied") == {"prefetch_depth": 2}, (wait.get("advice"), wait.get("ruled_out"))
+    assert wait["after_report"]["prefetch_depth"] == 2     # the rerun ran with the advice applied
     text = table(rows)
     assert all(r["run"] in text for r in rows)
     summary = summarize(rows)

@@ -221,6 +221,7 @@ def run_one(spec: RunSpec, steps: int, tmp: str, in_process: bool = False) -> di
             else:
                 predicted, measured, was = first["predicted_step_ms"], after["mean"]["step_ms"], before["mean"]["step_ms"]
             row.update(applied={first["setting"]: first["value"]}, unit="ms/sample" if per_sample else "ms/step",
+                       after_report={k: after.get(k) for k in ("prefetch_depth", "grad_sync")},
                        predicted=predicted, measured=measured, was=was, saved=1 - measured / was,
                        error=(predicted - measured) / measured)
     row["load_after"] = _load()
