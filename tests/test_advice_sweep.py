@@ -38,11 +38,14 @@ def test_the_summary_counts_the_targets_of_the_issue():
         dict(base, run="c", efficiency=0.99, before_ms=10.0, ruled_out=["at the ceiling"]),
         dict(base, run="e", efficiency=0.97, data_kind="holds_gil", applied={"dataloader_num_workers": 1},
              saved=0.3, error=0.1, unit="ms/step", before_ms=10.0, predicted=7.7, measured=7.0),
+        dict(base, run="f", efficiency=0.98, link_bound=True, applied={"grad_comm_dtype": "bf16"}, saved=0.38,
+             error=-0.01, unit="ms/step", before_ms=133.0, predicted=82.0, measured=82.5),
         dict(base, run="d", skipped="no root"),
     ]
     s = summarize(rows)
     # A producer holding the GIL is a bottleneck the ceiling does not show (it slows forward and backward).
-    assert s["ran"] == 4 and s["skipped"] == 1 and s["bottleneck_saved_10pct"] == "2/3"
+    # So is a link busier than backward: the ceiling is then the link's, which a narrower wire lowers.
+    assert s["ran"] == 5 and s["skipped"] == 1 and s["bottleneck_saved_10pct"] == "3/4"
     assert s["slower"] == ["b"] and s["max_abs_error"] == pytest.approx(0.4) and s["ceiling_runs_advised"] == []
     text = table(rows)
     assert text.count("\n") == len(rows) + 1 and "skipped: no root" in text and "(none: at the ceiling)" in text

@@ -209,7 +209,8 @@ def run_one(spec: RunSpec, steps: int, tmp: str, in_process: bool = False) -> di
         row.update(before_ms=before["mean"]["step_ms"], efficiency=before["mean"].get("efficiency"),
                    advice=advice[:1], ruled_out=before.get("ruled_out", []),
                    unchecked=before.get("unchecked_advice", []), report_load=before.get("load"),
-                   data_kind=(before.get("data_side") or {}).get("kind"))
+                   data_kind=(before.get("data_side") or {}).get("kind"),
+                   link_bound=(before["mean"].get("comm_busy_ms") or 0.0) > (before["mean"].get("backward_ms") or 0.0))
         if advice:
             first = advice[0]
             applied = {**kw, first["setting"]: first["value"]}   # the one change advised, nothing else
@@ -236,11 +237,12 @@ def summarize(rows: list[dict]) -> dict:
     """The issue-30 targets over the rows that ran."""
     ran = [r for r in rows if "skipped" not in r]
     advised = [r for r in ran if r.get("applied")]
-    # A bottleneck: the step well short of its ceiling, or a producer slowing the step's own compute
-    # (which the ceiling, built from the slowed forward and backward, does not show).
+    # A bottleneck: the step well short of its ceiling, a producer slowing the step's own compute
+    # (which the ceiling, built from the slowed forward and backward, does not show), or a link busier
+    # than backward (the ceiling is then the link's own, which fewer bytes lower).
     bottleneck = [r for r in ran if (isinstance(r.get("efficiency"), (int, float))
                                      and r["efficiency"] < BOTTLENECK_EFFICIENCY)
-                  or r.get("data_kind") in ("holds_gil", "contends")]
+                  or r.get("data_kind") in ("holds_gil", "contends") or r.get("link_bound")]
     helped = [r for r in bottleneck if r.get("saved", 0.0) >= SAVED_TARGET]
     errors = sorted(abs(r["error"]) for r in advised)
     ceiling = [r for r in ran if r not in bottleneck]
