@@ -9,17 +9,32 @@ run's own parts, not a hardware table:
 - forward, backward, optimizer and data wait are the measured means;
 - the link is calibrated from the run: bandwidth = the bytes the collectives carried over the
   measured comm busy time, less a per-collective latency (`LATENCY_MS`, by backend);
-- each bucket is ready when backward has produced its share of the gradient bytes, in
-  GradSync's own plan for the candidate cap (`RunFacts.plan`);
+- each bucket is ready when the run's own spans say it was: the launch of each of the run's
+  buckets as a fraction of its backward (`measured_ready`), interpolated over the gradient bytes
+  for a candidate cap's plan (GradSync's own planner, `RunFacts.plan`); bytes-proportional only
+  where the run has no such spans (serial mode, no report spans);
+- backward's slow-down while collectives are in flight is calibrated from the run's backward spans
+  (`comm_slowdown`: backward time against the communication in flight in it) where they differ
+  enough to tell; otherwise it is not modelled, and the report says so;
 - what the model does not explain (the bookkeeping between the timeline's marks) is carried
   over unchanged: a candidate's prediction is the measured step plus the model's difference
   between the candidate and the run as it was.
 
+- the data side is measured, not assumed (`DataSide`): the producer's CPU time against its wall
+  time per batch (the prefetch thread's, or the step's own thread while it waited for data) tells
+  a producer that waits (I/O, a sleep: a thread beside the step hides it with or without a spare
+  core) from one that computes (it needs a core of its own); the step's own thread's CPU share in
+  forward and backward, while a producer thread ran against while it did not, tells one that holds
+  the GIL (worker processes, ``dataloader_num_workers``, are the fix).
+
 Candidates: ``prefetch_depth``, ``dataloader_num_workers``, ``grad_bucket_mb``, ``grad_sync``
 (overlap <-> sharded), ``grad_comm_dtype`` and ``gradient_accumulation_steps``. Only a change
-predicted to save at least `MIN_SAVING` of the step is advised. Changes that keep the run's
-results come first (best first), then those that change them (a bf16 wire, a larger effective
-batch), which say so in their reason.
+predicted to save at least `MIN_SAVING` is advised (of the step; of the time per sample for a
+change of the effective batch, whose ``predicted_step_ms`` is the new, longer step). Changes that
+keep the run's results come first (best first), then those that change them (a bf16 wire, a larger
+effective batch), which say so in their reason. `advise_report` also records what was ruled out
+and why (``report["ruled_out"]``), the machine's load (``report["load"]``) and what the data side
+measured (``report["data_side"]``); each advice carries its ``expected_error`` (`EXPECTED_ERROR`).
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .schedule import overlap_exposed, sharded_step
+from .schedule import sharded_step
 
 MIN_SAVING = 0.05            # advise a change only if it saves at least 5 % of the step
 # Above this 1-minute load average per core (a run's or a bench's own ranks included) the ranks did
@@ -42,6 +57,21 @@ BUCKET_CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0)
 # time into latency and bandwidth.
 LATENCY_MS = {"gloo": 0.5, "nccl": 0.03}
 DEFAULT_LATENCY_MS = 0.1
+# A producer whose CPU time is under this share of its wall time per batch waits (storage, a remote
+# read, a sleep): a thread beside the step hides it without a core of its own.
+WAITING_CPU_SHARE = 0.5
+# The step's own thread got at least this much less CPU per wall time in forward and backward while a
+# producer thread ran than while none did: the producer takes the GIL (or, with no spare core, a core)
+# from the step, and a thread beside it slows the step as much as it hides.
+CONTENTION_LOSS = 0.15
+# Each advice's expected prediction error (|predicted - measured| / measured), by setting, from the
+# sweep (`hfstream.tools.bench.sweep`) on a quiet machine. Empty until that sweep has been run there:
+# then every advice says its error is not yet measured (docs/benchmarks.md, the sweep section).
+EXPECTED_ERROR: dict[str, float] = {}
+# A mode switch is advised only once the sweep has checked its prediction against measured runs of
+# both modes on the same kind of machine (an `EXPECTED_ERROR` entry): before that (issue 30) it made
+# two runs of three slower. Until then its prediction is kept in the report as ``unchecked_advice``.
+CHECKED_BY_SWEEP = ("grad_sync",)
 
 
 @dataclass
@@ -65,6 +95,14 @@ class RunFacts:
         loadavg_1min / cores: the machine's 1-minute load average when the run ended, and its
             cores; above the bench's `LOADED_PER_CORE` x cores every prediction is marked
             unreliable (other work took compute time from the measured parts).
+        data: what the data side measured (`DataSide`), or None (not measured).
+        samples_per_step: samples of one optimizer step on this rank (batch x accumulation), or 0.
+        bucket_ready: per bucket of ``plan(bucket_mb)``, the fraction of backward done when it
+            launched in the run (`measured_ready`), or None: bytes-proportional.
+        comm_slowdown: ms of backward per ms of communication in flight in it (`comm_slowdown`),
+            or None where the run could not tell.
+        mode_switch_checked: advise a ``grad_sync`` switch (None: only once `EXPECTED_ERROR` has one,
+            `CHECKED_BY_SWEEP`).
     """
 
     grad_sync: str | None
@@ -82,6 +120,159 @@ class RunFacts:
     spare_cores: float = 1.0
     loadavg_1min: float = math.nan
     cores: int = 1
+    data: "DataSide | None" = None
+    samples_per_step: int = 0
+    bucket_ready: list[float] | None = None
+    comm_slowdown: float | None = None
+    mode_switch_checked: bool | None = None
+
+
+@dataclass
+class DataSide:
+    """How the run's batches were produced, measured per batch (the first, warm-up, left out).
+
+    Attributes:
+        where: ``"thread"`` (the prefetch thread beside the step) or ``"step"`` (the step's own
+            thread, inside its data wait: ``prefetch_depth=0``, or a source read on that thread).
+        wall_ms, cpu_ms: the producer's wall time and CPU time per batch.
+        batches: how many batches the means cover.
+        share_with / share_without: the step's own thread's CPU time over wall time in forward and
+            backward while a producer thread ran (at least half the interval) / while none did;
+            NaN where no interval was of that kind.
+    """
+
+    where: str
+    wall_ms: float
+    cpu_ms: float
+    batches: int
+    share_with: float = math.nan
+    share_without: float = math.nan
+
+    @property
+    def cpu_share(self) -> float:
+        return self.cpu_ms / self.wall_ms if self.wall_ms > 0 else math.nan
+
+    @property
+    def loss(self) -> float:
+        """How much CPU per wall time the step's own thread lost while a producer thread ran (0 if unknown)."""
+        if self.where != "thread" or math.isnan(self.share_with):
+            return 0.0
+        ref = self.share_without if not math.isnan(self.share_without) else 1.0
+        return max(0.0, 1.0 - self.share_with / ref) if ref > 0 else 0.0
+
+    def kind(self, spare_cores: float) -> str:
+        """``"waits"``, ``"computes"``, ``"holds_gil"`` (a spare core, yet the step lost CPU to it) or
+        ``"contends"`` (no spare core: the GIL or the core, either way taken from the step)."""
+        if self.loss >= CONTENTION_LOSS:
+            return "holds_gil" if spare_cores >= 1 else "contends"
+        return "waits" if self.cpu_share < WAITING_CPU_SHARE else "computes"
+
+    def evidence(self) -> str:
+        said = f"the producer used {_say(self.cpu_ms)} of CPU in {_say(self.wall_ms)} per batch"
+        if self.where == "thread" and not math.isnan(self.share_with):
+            ref = (f"{self.share_without:.0%} while it did not" if not math.isnan(self.share_without)
+                   else "against a whole core")
+            said += f"; the step's own thread got {self.share_with:.0%} CPU while it ran, {ref}"
+        return said
+
+
+def _union(intervals) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _overlap(t0: float, t1: float, intervals) -> float:
+    return sum(max(0.0, min(t1, b) - max(t0, a)) for a, b in intervals)
+
+
+def measure_data_side(host_intervals, produced=()) -> DataSide | None:
+    """A `DataSide` from the timeline's ``host_intervals`` (``(kind, start, end, cpu_ms)``) and the
+    prefetch thread's ``produced`` (``(start, end, cpu_ms)`` per batch), or None with too few batches."""
+    produced = list(produced)[1:]
+    intervals = list(host_intervals)
+    compute = [iv for iv in intervals if iv[0] in ("forward", "backward")][2:]   # past the first step
+    if len(produced) >= 2:
+        busy = [(a, b) for a, b, _ in produced]
+        wall = sum(b - a for a, b, _ in produced) * 1e3
+        side = DataSide("thread", wall / len(produced), sum(c for *_, c in produced) / len(produced), len(produced))
+        groups: dict[bool, list] = {True: [], False: []}
+        for _, t0, t1, cpu in compute:
+            share = _overlap(t0, t1, busy) / max(t1 - t0, 1e-9)
+            if share >= 0.5 or share <= 0.1:
+                groups[share >= 0.5].append(((t1 - t0) * 1e3, cpu))
+        for key, name in ((True, "share_with"), (False, "share_without")):
+            w = sum(x for x, _ in groups[key])
+            if groups[key] and w > 0:
+                setattr(side, name, sum(c for _, c in groups[key]) / w)
+        return side
+    data = [iv for iv in intervals if iv[0] == "data"][1:]
+    if len(data) < 2:
+        return None
+    wall = sum((t1 - t0) * 1e3 for _, t0, t1, _ in data)
+    return DataSide("step", wall / len(data), sum(c for *_, c in data) / len(data), len(data))
+
+
+def measured_ready(spans, n_buckets: int) -> list[float] | None:
+    """Per bucket of the run's plan, the median fraction of its backward done when it launched.
+
+    ``spans``: the report's ``(rank, lane, name, start, end)``; a bucket ``"bucket i"`` of the comm
+    lane belongs to the latest backward of its rank that started before it. None unless every
+    bucket was seen. Monotone (a later bucket is never ready before an earlier one).
+    """
+    backward: dict[int, list] = {}
+    launches: dict[int, list] = {}
+    for rank, lane, name, t0, t1 in (tuple(s) for s in spans or ()):
+        if lane == "compute" and name == "backward" and t1 > t0:
+            backward.setdefault(rank, []).append((t0, t1))
+        elif lane == "comm" and str(name).startswith("bucket "):
+            launches.setdefault(int(str(name).split()[1]), []).append((rank, t0))
+    fractions: dict[int, list] = {}
+    for i, seen in launches.items():
+        for rank, t0 in seen:
+            before = [b for b in backward.get(rank, ()) if b[0] <= t0]
+            if before:
+                b0, b1 = max(before)
+                fractions.setdefault(i, []).append(min(1.0, max(0.0, (t0 - b0) / (b1 - b0))))
+    if n_buckets <= 0 or any(i not in fractions for i in range(n_buckets)):
+        return None
+    out, top = [], 0.0
+    for i in range(n_buckets):
+        vals = sorted(fractions[i])
+        top = max(top, vals[len(vals) // 2])
+        out.append(top)
+    return out
+
+
+def comm_slowdown(spans) -> float | None:
+    """ms of backward per ms of communication in flight in it, fitted over the report's backward spans.
+
+    None where the in-flight time does not vary by a tenth of a backward (nothing to fit from).
+    """
+    by_rank: dict[int, dict[str, list]] = {}
+    for rank, lane, name, t0, t1 in (tuple(s) for s in spans or ()):
+        lanes = by_rank.setdefault(rank, {"backward": [], "comm": []})
+        if lane == "compute" and name == "backward":
+            lanes["backward"].append((t0, t1))
+        elif lane == "comm":
+            lanes["comm"].append((t0, t1))
+    xs, ys = [], []
+    for lanes in by_rank.values():
+        comm = _union(lanes["comm"])
+        for b0, b1 in lanes["backward"]:
+            xs.append(_overlap(b0, b1, comm) * 1e3)
+            ys.append((b1 - b0) * 1e3)
+    if len(xs) < 3:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if max(xs) - min(xs) < 0.1 * my or sxx <= 0:
+        return None
+    return max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
 
 
 @dataclass
@@ -131,13 +322,56 @@ class _Link:
         return self.alpha + (n - 1) / n * nbytes * self.ms_per_byte
 
 
-def _ready(buckets: list[float]) -> list[float]:
-    """Each bucket ready when backward has produced its share of the bytes (launch order)."""
+def _ready(buckets: list[float], curve: list[tuple[float, float]] | None = None) -> list[float]:
+    """Each bucket's ready time as a fraction of backward (launch order).
+
+    ``curve``: the run's measured ``(share of the gradient bytes, fraction of backward)`` points
+    (`_ready_curve`), interpolated at each bucket's last byte; without it, bytes-proportional.
+    """
     total, done, out = sum(buckets) or 1.0, 0.0, []
     for b in buckets:
         done += b
-        out.append(done / total)
+        x = done / total
+        if not curve:
+            out.append(x)
+            continue
+        (x0, y0) = (0.0, 0.0)
+        for x1, y1 in curve:
+            if x <= x1 + 1e-12:
+                out.append(y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y1)
+                break
+            x0, y0 = x1, y1
+        else:
+            out.append(curve[-1][1])
     return out
+
+
+def _ready_curve(facts: RunFacts) -> list[tuple[float, float]] | None:
+    """The measured readiness of the run's buckets, against the share of the gradient bytes before them."""
+    if facts.bucket_ready is None or facts.plan is None or facts.bucket_mb is None:
+        return None
+    planned = facts.plan(facts.bucket_mb)
+    if len(planned) != len(facts.bucket_ready):
+        return None
+    total, done, out = sum(planned) or 1.0, 0.0, []
+    for b, r in zip(planned, facts.bucket_ready):
+        done += b
+        out.append((done / total, r))
+    return out
+
+
+def _overlap_schedule(times: list[float], ready: list[float], bwd: float) -> tuple[float, float]:
+    """Overlap on one link: (exposed after backward, time a collective was in flight within backward).
+
+    Each all-reduce starts once its bucket is ready and the link is free, so what is hidden never
+    exceeds the backward after the first bucket is ready (``bwd x (1 - ready[0])``).
+    """
+    end, inside = 0.0, 0.0
+    for t, r in zip(times, ready):
+        start = max(r * bwd, end)
+        end = start + t
+        inside += max(0.0, min(end, bwd) - min(start, bwd))
+    return max(0.0, end - bwd), inside
 
 
 def _comm_step(mode: str, buckets: list[float], link: _Link, parts: _Parts, facts: RunFacts,
@@ -149,7 +383,14 @@ def _comm_step(mode: str, buckets: list[float], link: _Link, parts: _Parts, fact
     n = facts.world_size
     accum = max(1, facts.gradient_accumulation_steps)
     last_backward = parts.backward / accum
-    ready = _ready(buckets)
+    ready = _ready(buckets, _ready_curve(facts))
+    k = facts.comm_slowdown or 0.0
+    if k and mode != "serial":
+        # Backward as it would run with no collective in flight, then with the candidate's in flight.
+        base = max(last_backward - k * max(0.0, parts.busy - parts.exposed), 0.5 * last_backward)
+        one = link.half if mode == "sharded" else link.allreduce
+        _, inside = _overlap_schedule([one(b) for b in buckets], ready, base)
+        last_backward = base + k * inside
     if mode == "sharded":
         fwd_last = parts.forward / accum
         row = sharded_step([link.half(b) for b in buckets], ready, n, fwd_last, last_backward, optimizer_ms * n)
@@ -158,29 +399,56 @@ def _comm_step(mode: str, buckets: list[float], link: _Link, parts: _Parts, fact
     if mode == "serial":
         exposed = sum(link.allreduce(b) for b in buckets)
     else:
-        exposed = overlap_exposed([link.allreduce(b) for b in buckets], ready, last_backward)
-    return parts.forward + parts.backward + exposed + optimizer_ms
+        exposed, _ = _overlap_schedule([link.allreduce(b) for b in buckets], ready, last_backward)
+    return parts.forward + parts.backward * (accum - 1) / accum + last_backward + exposed + optimizer_ms
 
 
 def _say(ms: float) -> str:
     return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
 
 
-def advise(mean: dict, facts: RunFacts) -> list[dict]:
+def advise(mean: dict, facts: RunFacts, ruled_out: list[str] | None = None,
+           unchecked: list[dict] | None = None) -> list[dict]:
     """Advice for the run whose measured means are ``mean`` (the report's ``mean``), best first.
 
+    Args:
+        ruled_out: if given, gets one sentence per candidate not advised and why (no spare core,
+            predicted to save too little, nothing to hide, ...).
+        unchecked: if given, gets the advice held back because its kind of prediction has not been
+            checked by the sweep yet (`CHECKED_BY_SWEEP`), with its prediction.
+
     Returns:
-        A list of ``{"setting", "value", "predicted_step_ms", "reason", "changes_results"}``,
-        empty when no change is predicted to save at least `MIN_SAVING` of the step.
+        A list of ``{"setting", "value", "predicted_step_ms", "reason", "changes_results", "saving",
+        "expected_error", "load"}``, empty when no change is predicted to save at least `MIN_SAVING`
+        (``saving``: of the step; of the time per sample where the change makes the effective batch
+        larger, which also has ``predicted_ms_per_sample``).
     """
+    why = ruled_out if ruled_out is not None else []
     parts = _Parts(_num(mean, "data_wait_ms"), _num(mean, "forward_ms"), _num(mean, "backward_ms"),
                    _num(mean, "optimizer_ms"), _num(mean, "exposed_comm_ms"), _num(mean, "comm_busy_ms"),
                    _num(mean, "step_ms"))
     if parts.step <= 0:
+        why.append("no step was measured")
         return []
-    out = _data_advice(parts, facts) + _comm_advice(parts, facts) + _accumulation_advice(parts, facts)
-    worth = [a for a in out if a["predicted_step_ms"] <= parts.step * (1 - MIN_SAVING)]
-    worth.sort(key=lambda a: (a["changes_results"], a["predicted_step_ms"]))
+    out = _data_advice(parts, facts, why) + _comm_advice(parts, facts, why) + _accumulation_advice(parts, facts, why)
+    worth = []
+    checked = facts.mode_switch_checked
+    for a in out:
+        held = a["setting"] in CHECKED_BY_SWEEP and not (checked if checked is not None else a["setting"] in EXPECTED_ERROR)
+        if a["saving"] >= MIN_SAVING and held:
+            why.append(f"{a['setting']}={a['value']}: predicted {a['predicted_step_ms']:g} ms, but a mode switch is "
+                       f"advised only once the sweep has checked such predictions against measured runs of both "
+                       f"modes on this kind of machine (not yet)")
+            if unchecked is not None:
+                unchecked.append(a)
+        elif a["saving"] >= MIN_SAVING:
+            worth.append(a)
+        else:
+            unit = "per sample" if "predicted_ms_per_sample" in a else "of the step"
+            why.append(f"{a['setting']}={a['value']}: predicted to save {a['saving']:.0%} {unit}, under "
+                       f"{MIN_SAVING:.0%}")
+    # Results-keeping changes first, best first; a change of results never before one that keeps them.
+    worth.sort(key=lambda a: (a["changes_results"], -a["saving"]))
     seen, best = set(), []
     for a in worth:   # one piece of advice per setting: its best value
         if a["setting"] not in seen:
@@ -190,6 +458,46 @@ def advise(mean: dict, facts: RunFacts) -> list[dict]:
     for a in best:
         a["load"] = load
     return best
+
+
+def advise_report(report: dict, facts: RunFacts) -> dict:
+    """Fill a report's ``advice``, ``ruled_out``, ``load`` and ``data_side`` from its ``mean`` and ``spans``.
+
+    The run's own spans calibrate the model where ``facts`` does not say already: each bucket's
+    measured readiness (`measured_ready`) and backward's slow-down under communication
+    (`comm_slowdown`). Returns ``report``.
+    """
+    spans = report.get("spans") or ()
+    if facts.bucket_ready is None and facts.plan is not None and facts.bucket_mb is not None \
+            and facts.grad_sync in ("overlap", "sharded"):
+        facts.bucket_ready = measured_ready(spans, len(facts.plan(facts.bucket_mb)))
+    if facts.comm_slowdown is None and facts.grad_sync in ("overlap", "sharded"):
+        facts.comm_slowdown = comm_slowdown(spans)
+    mean = report.get("mean") or {}
+    why: list[str] = []
+    held: list[dict] = []
+    report["advice"] = advise(mean, facts, why, held)
+    report["unchecked_advice"] = held
+    efficiency = mean.get("efficiency")
+    if isinstance(efficiency, (int, float)) and not math.isnan(efficiency) and efficiency >= 1 - MIN_SAVING:
+        why.insert(0, f"at the ceiling: the step is within {1 - efficiency:.0%} of its ceiling "
+                      f"(efficiency {efficiency:.0%}), less than the {MIN_SAVING:.0%} any change must save")
+    report["load"] = _load(facts)
+    if report["load"]["unreliable"]:
+        why.append(_loaded_sentence(report["load"]))
+    report["ruled_out"] = why
+    report["data_side"] = None if facts.data is None else {
+        **{k: getattr(facts.data, k) for k in ("where", "wall_ms", "cpu_ms", "batches", "share_with", "share_without")},
+        "kind": facts.data.kind(facts.spare_cores)}
+    report["model"] = {"bucket_ready": "measured" if facts.bucket_ready is not None else "bytes-proportional",
+                       "comm_slowdown": facts.comm_slowdown}
+    return report
+
+
+def _loaded_sentence(load: dict) -> str:
+    return (f"the machine was loaded (1-minute load {load.get('loadavg_1min')} on {load.get('cores')} cores, above "
+            f"{load.get('limit'):g}): other work took time from the measured parts, so every prediction here is "
+            f"unreliable; rerun on a quiet machine")
 
 
 def _count(n: int, noun: str) -> str:
@@ -204,49 +512,117 @@ def _load(facts: RunFacts) -> dict:
     load = facts.loadavg_1min
     known = isinstance(load, (int, float)) and not math.isnan(load)
     return {"loadavg_1min": round(load, 2) if known else None, "cores": facts.cores, "limit": limit,
-            "unreliable": bool(known and load > limit)}
+            "per_core": round(load / max(1, facts.cores), 2) if known else None,
+            "limit_per_core": LOADED_PER_CORE, "unreliable": bool(known and load > limit)}
 
 
-def _advice(setting: str, value, predicted: float, reason: str, changes_results: bool = False) -> dict:
+def _advice(setting: str, value, predicted: float, reason: str, step: float, changes_results: bool = False,
+            saving: float | None = None) -> dict:
+    """One advice; ``saving`` defaults to the share of ``step`` the prediction saves."""
     return {"setting": setting, "value": value, "predicted_step_ms": round(predicted, 1), "reason": reason,
-            "changes_results": changes_results}
+            "changes_results": changes_results,
+            "saving": round(saving if saving is not None else 1 - predicted / step, 4),
+            "expected_error": EXPECTED_ERROR.get(setting)}
 
 
-def _data_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
-    """Hide the data wait: a producer beside the step (prefetch), or several (workers)."""
+def _data_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
+    """Hide the data wait: a producer beside the step (prefetch), or several (workers), by what it measured.
+
+    A producer that waits needs no core of its own; one that computes does; one that holds the GIL
+    (or, with no spare core, takes the step's core) slows the step's own thread and needs processes.
+    """
     out = []
-    wait, rest = parts.data_wait, parts.compute
-    if wait <= 0 or facts.spare_cores < 1:
-        return out   # nothing to hide, or no core for a producer beside the compute
+    wait, rest, step = parts.data_wait, parts.compute, parts.step
+    data = facts.data
+    kind = data.kind(facts.spare_cores) if data is not None else None
+    seen = f" ({data.evidence()})" if data is not None else ""
+    spare = f"{facts.spare_cores:g} spare core(s) per rank beside the compute"
+    if kind in ("holds_gil", "contends") and facts.prefetch_depth > 0:
+        # The step's own compute ran slower while the producer thread ran: what it lost comes back
+        # once the producer is out of this process.
+        lost = (parts.forward + parts.backward) * data.loss
+        calm = rest - lost
+        produce = data.cpu_ms
+        if kind == "holds_gil":
+            cores = max(1, min(facts.cores_per_rank, int(facts.spare_cores)))
+            workers = max(facts.dataloader_num_workers + 1, min(cores, math.ceil(produce / max(calm, 1e-9))))
+            left = max(0.0, produce / workers - calm)
+            out.append(_advice(
+                "dataloader_num_workers", workers, calm + left,
+                f"the producer thread holds the GIL{seen}: the step's forward and backward lost about {_say(lost)}; "
+                f"{workers} worker process(es) have their own interpreter and core, leaving {_say(left)} of data wait",
+                step))
+        else:
+            why.append(f"dataloader_num_workers: the producer thread takes the GIL or a core from the step{seen}, "
+                       f"and there is no core for worker processes ({spare})")
+        out.append(_advice(
+            "prefetch_depth", 0, calm + produce,
+            f"the producer thread slows the step's own compute{seen}: in the step itself it would take "
+            f"{_say(produce)} a batch but no longer slow forward and backward (about {_say(lost)} lost now)", step))
+        return out
+    if wait <= MIN_SAVING * step:
+        if wait > 0 or data is not None:
+            why.append(f"data: the step waited {_say(wait)} of {_say(step)} for its batches: little to hide")
+        return out
     if facts.prefetch_depth == 0:
+        if kind == "computes" and facts.spare_cores < 1:
+            why.append(f"prefetch_depth, dataloader_num_workers: the loader computes{seen} and there is no "
+                       f"spare core ({spare}): a producer beside the step would take its core from the compute")
+            return out
+        if kind is None and facts.spare_cores < 1:
+            why.append(f"prefetch_depth: the loader's CPU time was not measured and there is no spare core "
+                       f"({spare}): a producer that computes would take its core from the compute")
+            return out
         # A background producer runs beside the rest of the step: only what is longer stays exposed.
         left = max(0.0, wait - rest)
+        how = ("it waits, so a thread beside the step hides it without a core of its own" if kind == "waits" else
+               "a background thread on a spare core; a producer that holds the GIL would then show in the "
+               "next report")
         out.append(_advice(
             "prefetch_depth", 2, rest + left,
-            f"the step waited {_say(wait)} of {_say(parts.step)} for its batch, loaded in the step itself; "
-            f"prefetched beside the other {_say(rest)} of the step (a background thread on a spare core), "
-            f"{_say(left)} would be left"))
+            f"the step waited {_say(wait)} of {_say(step)} for its batch, loaded in the step itself{seen}; "
+            f"prefetched beside the other {_say(rest)} of the step ({how}), {_say(left)} would be left", step))
+        return out
+    # Already prefetching: the producer is slower than the step. Workers share its work.
+    produce = data.wall_ms if data is not None and data.where == "thread" else wait + rest
+    have = max(1, facts.dataloader_num_workers)
+    if produce <= rest:
+        why.append(f"dataloader_num_workers: the producer takes {_say(produce)} per batch, less than the "
+                   f"{_say(rest)} of the step beside it: the {_say(wait)} wait is the hand-over, not the "
+                   f"producer, and more producers would not shorten it")
+        return out
+    if kind == "waits":
+        # Waiting producers wait side by side: no core each.
+        workers = max(have + 1, math.ceil(produce / max(rest, 1e-9)))
+        cores_said = "they wait, so they need no core each"
+    elif facts.spare_cores < 1:
+        why.append(f"dataloader_num_workers: the producer computes{seen} and there is no spare core ({spare})")
+        return out
     else:
-        # Already prefetching: the producer is slower than the step. Workers share its work.
-        produce = wait + rest   # a producer that keeps the step waiting `wait` takes wait + rest per batch
         cores = max(1, min(facts.cores_per_rank, int(facts.spare_cores)))
-        have = max(1, facts.dataloader_num_workers)
         workers = min(cores, max(have + 1, math.ceil(produce / max(rest, 1e-9))))
-        if workers > facts.dataloader_num_workers and workers > 1:
-            left = max(0.0, produce / workers - rest)
-            out.append(_advice(
-                "dataloader_num_workers", workers, rest + left,
-                f"with prefetching the step still waited {_say(wait)} of {_say(parts.step)}: one producer takes "
-                f"about {_say(produce)} per batch; {workers} workers ({cores} core(s) per rank) would leave "
-                f"{_say(left)}"))
+        cores_said = f"{cores} core(s) per rank"
+    if workers > facts.dataloader_num_workers and workers > 1:
+        left = max(0.0, produce / workers - rest)
+        out.append(_advice(
+            "dataloader_num_workers", workers, rest + left,
+            f"with prefetching the step still waited {_say(wait)} of {_say(step)}{seen}: one producer takes about "
+            f"{_say(produce)} per batch; {workers} workers ({cores_said}) would leave {_say(left)}", step))
+    else:
+        why.append(f"dataloader_num_workers: {have} worker(s) already use the {facts.cores_per_rank} core(s) per rank")
     return out
 
 
-def _comm_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
+def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
     mode = facts.grad_sync
-    if mode not in ("overlap", "sharded", "serial") or facts.world_size < 2 or facts.plan is None:
+    if facts.world_size < 2:
+        why.append("communication: one process, nothing to synchronise")
+        return []
+    if mode not in ("overlap", "sharded", "serial") or facts.plan is None:
+        why.append(f"communication: grad_sync={mode!r} hides its reductions from the report (not modelled)")
         return []
     if facts.bucket_mb is None or parts.busy <= 0:
+        why.append("communication: no bucket cap or no communication time measured")
         return []
     scale = facts.wire_element_bytes / max(1, facts.grad_element_bytes)
     planned = facts.plan(facts.bucket_mb)
@@ -268,13 +644,15 @@ def _comm_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
         return max((c for c in scored if c[1] <= low * 1.02), key=lambda c: c[0])
 
     # The bucket cap, in the mode the run has.
+    ready_said = (f"buckets ready as the run's spans show (the first at {facts.bucket_ready[0]:.0%} of backward)"
+                  if _ready_curve(facts) else "buckets assumed ready in proportion to their bytes (no spans measured)")
     if not facts.auto_bucket:
         best = best_cap(mode, parts.optimizer, [c for c in BUCKET_CANDIDATES_MB if c != facts.bucket_mb])
         out.append(_advice(
             "grad_bucket_mb", best[0], predicted(best[1]),
             f"{_say(exposed)} of the {_say(parts.step)} step waited for communication ({_say(parts.busy)} busy) "
             f"with {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
-            f"link less after backward (or 'auto' tunes it in the first steps)"))
+            f"link less after backward (or 'auto' tunes it in the first steps); {ready_said}", parts.step))
     # The other mode: overlap <-> sharded (the optimizer then steps 1/N of the parameters, or all).
     if mode in ("overlap", "sharded"):
         other_mode = "sharded" if mode == "overlap" else "overlap"
@@ -290,7 +668,7 @@ def _comm_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
         out.append(_advice(
             "grad_sync", other_mode, predicted(model_ms),
             f"{_say(exposed)} exposed comm and {_say(parts.optimizer)} optimizer of a {_say(parts.step)} step; "
-            f"{other_mode} at {plan_cap:g} MiB buckets: {what}"))
+            f"{other_mode} at {plan_cap:g} MiB buckets: {what}", parts.step))
     # A narrower wire: half the bytes, results change.
     if facts.wire_element_bytes > 2:
         half = [b / 2 for b in current]
@@ -299,24 +677,41 @@ def _comm_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
             "grad_comm_dtype", "bf16", predicted(model_ms),
             f"{_say(parts.busy)} of communication carries {facts.wire_element_bytes}-byte gradients; bf16 halves "
             f"the bytes. Changes the results slightly: each rank's gradient is rounded to bf16 before the sum",
-            changes_results=True))
+            parts.step, changes_results=True))
     return out
 
 
-def _accumulation_advice(parts: _Parts, facts: RunFacts) -> list[dict]:
-    """Twice the micro-batches per step: the sync and the optimizer are paid once per twice the samples."""
+def _accumulation_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
+    """Twice the micro-batches per step: the sync and the optimizer are paid once per twice the samples.
+
+    A change of the effective batch: predicted as its new (longer) step and as time per sample,
+    never as a step time it would not produce.
+    """
     if parts.exposed < MIN_SAVING * parts.step:
-        return []   # what accumulating amortises is the sync; without exposed comm it only changes the run
+        why.append(f"gradient_accumulation_steps: exposed comm is {_say(parts.exposed)} of {_say(parts.step)}: "
+                   f"nothing for a larger batch to amortise")
+        return []
     fixed = parts.step - parts.data_wait - parts.forward - parts.backward   # exposed comm, optimizer, bookkeeping
     a = max(1, facts.gradient_accumulation_steps)
-    per_samples = parts.step - fixed / 2   # ms per the current step's samples
-    return [_advice(
-        "gradient_accumulation_steps", 2 * a, per_samples,
+    new_step = 2 * (parts.step - fixed) + fixed
+    saving = 1 - new_step / (2 * parts.step)
+    samples = facts.samples_per_step
+    if samples > 0:
+        now_ms, new_ms = parts.step / samples, new_step / (2 * samples)
+        per = f"{now_ms:.2f} -> {new_ms:.2f} ms per sample"
+    else:
+        now_ms = new_ms = None
+        per = f"{saving:.0%} less time per sample"
+    entry = _advice(
+        "gradient_accumulation_steps", 2 * a, new_step,
         f"{_say(fixed)} of each {_say(parts.step)} step is paid once per step (exposed comm "
-        f"{_say(parts.exposed)}, optimizer {_say(parts.optimizer)}); with {2 * a} micro-batches it is paid once "
-        f"per twice the samples ({_say(per_samples)} per the current step's samples). Changes the results: twice "
-        f"the effective batch, half the optimizer steps (adjust learning rate and max_steps)",
-        changes_results=True)]
+        f"{_say(parts.exposed)}, optimizer {_say(parts.optimizer)}); with {2 * a} micro-batches a step takes about "
+        f"{_say(new_step)} for twice the samples ({per}). Changes the results: twice the effective batch, half "
+        f"the optimizer steps (adjust learning rate and max_steps)",
+        parts.step, changes_results=True, saving=saving)
+    entry["ms_per_sample"] = None if now_ms is None else round(now_ms, 3)
+    entry["predicted_ms_per_sample"] = None if new_ms is None else round(new_ms, 3)
+    return [entry]
 
 
 def facts_from_trainer(trainer) -> RunFacts:
@@ -345,6 +740,11 @@ def facts_from_trainer(trainer) -> RunFacts:
     # CPU training: each rank's compute threads hold cores; an accelerator leaves the host's cores to the data.
     threads = torch.get_num_threads() if on_cpu else 1
     spare = ((os.cpu_count() or 1) - local * threads) / local
+    timeline = getattr(trainer, "_timeline", None)
+    prefetcher = getattr(trainer, "_prefetcher", None)
+    produced = prefetcher.stats.produced if prefetcher is not None else ()
+    data = measure_data_side(timeline.host_intervals, produced) if timeline is not None else None
+    batch = int(getattr(args, "per_device_train_batch_size", 0) or 0)
     return RunFacts(
         grad_sync=mode, world_size=world, prefetch_depth=int(args.prefetch_depth),
         dataloader_num_workers=int(args.dataloader_num_workers),
@@ -352,4 +752,5 @@ def facts_from_trainer(trainer) -> RunFacts:
         bucket_mb=bucket_mb, auto_bucket=getattr(args, "grad_bucket_mb", None) == "auto",
         wire_element_bytes=wire, grad_element_bytes=elem, backend=backend, plan=plan,
         cores_per_rank=max(1, (os.cpu_count() or 1) // max(1, local)), spare_cores=spare,
-        loadavg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan, cores=os.cpu_count() or 1)
+        loadavg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan, cores=os.cpu_count() or 1,
+        data=data, samples_per_step=batch * int(args.gradient_accumulation_steps))

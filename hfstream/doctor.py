@@ -111,6 +111,6 @@ def doctor(path) -> int:
     print(str(report))
     if "advice" not in report:
         print("\n(this report predates advice: rerun with this hfstream to get it)")
-    elif not report["advice"]:
+    elif not report["advice"] and not report.get("ruled_out"):   # a report without the reasons (older)
         print(f"\nno advice: no change of the candidates is predicted to save {MIN_SAVING:.0%} of the step")
     return 0

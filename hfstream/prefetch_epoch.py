@@ -12,6 +12,7 @@ from the source (raised at the step that would have consumed that batch) and the
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Iterator, Optional
@@ -21,6 +22,7 @@ import torch
 from hfstream.batches import map_tensors
 
 END = object()           # the source is exhausted
+PRODUCED_KEPT = 256      # producer intervals kept in `PrefetchStats.produced`
 
 
 @dataclasses.dataclass
@@ -40,6 +42,10 @@ class PrefetchStats:
         copy_gbps: bytes / time of that same copy, in GB/s (1e9 bytes per second).
         copy_ms_total: the sum of all completed ``copy_ms``.
         copies_timed: how many copies ``copy_ms_total`` covers.
+        produced: the background thread's last batches (CPU prefetching), each ``(start, end,
+            cpu_ms)``: its ``perf_counter`` interval preparing the batch and the CPU time it spent in
+            it (``time.thread_time``), so a producer that waits (I/O, sleep) tells itself from one
+            that computes (`hfstream.advice`).
     """
 
     batches: int = 0
@@ -50,6 +56,8 @@ class PrefetchStats:
     copy_gbps: Optional[float] = None
     copy_ms_total: float = 0.0
     copies_timed: int = 0
+    produced: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=PRODUCED_KEPT), repr=False)
 
     @property
     def mean_data_wait_ms(self) -> float:

@@ -10,6 +10,7 @@ import functools
 import itertools
 import queue
 import threading
+import time
 import warnings
 from typing import Callable, Iterator
 
@@ -23,15 +24,22 @@ JOIN_TIMEOUT_S = 30.0     # close() waits this long for a producer stuck inside 
 _thread_ids = itertools.count()
 
 
-def produce(source: Iterator, prepare: Callable, out: queue.Queue, stop: threading.Event) -> None:
+def produce(source: Iterator, prepare: Callable, out: queue.Queue, stop: threading.Event,
+            produced=None) -> None:
     """Body of the background thread: pull, prepare, put, until the end, an error, or stop.
+
+    ``produced`` (a bounded deque, `PrefetchStats.produced`) gets ``(start, end, cpu_ms)`` per
+    batch: the wall interval of pulling and preparing it and this thread's CPU time in it.
 
     It holds no reference to the epoch or the prefetcher, so dropping those lets the garbage
     collector close them (which sets ``stop``) while this thread is still running.
     """
     while not stop.is_set():
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             item = prepare(next(source))
+            if produced is not None:
+                produced.append((t0, time.perf_counter(), (time.thread_time() - c0) * 1e3))
         except StopIteration:
             item = END
         except BaseException as exc:   # noqa: BLE001 - re-raised in the consumer, at its step
@@ -60,7 +68,7 @@ class ThreadEpoch(Epoch):
         self._stop = threading.Event()
         prepare = functools.partial(move_batch, device=self._device, skip=self._skip, non_blocking=False)
         self.thread = threading.Thread(
-            target=produce, args=(source, prepare, self._queue, self._stop),
+            target=produce, args=(source, prepare, self._queue, self._stop, stats.produced),
             name=f"{THREAD_PREFIX}-{next(_thread_ids)}", daemon=True)
         self.thread.start()
         self._source = None    # the thread owns the iterator now; two threads must never share it

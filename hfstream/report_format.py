@@ -26,20 +26,34 @@ def _cell(value: Any, unit: str) -> str:
 ADVICE_WIDTH = 100   # an advice line, and each line of its wrapped reason, fits this many columns
 
 
+def _wrap(text: str, indent: str = "      ") -> list[str]:
+    return textwrap.wrap(text, ADVICE_WIDTH, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False)
+
+
 def format_advice(advice: list[dict] | None) -> list[str]:
     """One entry per piece of advice, each at most `ADVICE_WIDTH` columns a line.
 
-    ``advice: set <setting>=<value> (predicted <x> ms)`` first, then the reason wrapped under it,
-    indented, and, where the machine was loaded when the run ended, a line saying the prediction
-    is unreliable and why (the load against the bench's limit).
+    ``advice: set <setting>=<value> (predicted <x> ms)`` first (a change of the effective batch:
+    its new step and the time per sample), then the reason wrapped under it, indented, its expected
+    error, and, where the machine was loaded when the run ended, a line saying the prediction is
+    unreliable and why (the load against the bench's limit).
     """
     lines = []
     for a in advice or ():
         predicted = a.get("predicted_step_ms")
         tail = f" (predicted {predicted:.2f} ms)" if isinstance(predicted, (int, float)) else ""
+        if isinstance(predicted, (int, float)) and a.get("predicted_ms_per_sample") is not None:
+            tail = (f" (predicted {predicted:.2f} ms a step of more samples, {a.get('ms_per_sample')} -> "
+                    f"{a.get('predicted_ms_per_sample')} ms per sample)")
+        elif isinstance(predicted, (int, float)) and "predicted_ms_per_sample" in a:
+            tail = f" (predicted {predicted:.2f} ms a step of more samples, {a.get('saving', 0):.0%} less per sample)"
         text = [f"  advice: set {a.get('setting')}={a.get('value')}{tail}"]
-        text += textwrap.wrap(str(a.get("reason", "")), ADVICE_WIDTH, initial_indent="      ",
-                              subsequent_indent="      ", break_on_hyphens=False)
+        text += _wrap(str(a.get("reason", "")))
+        if "expected_error" in a:
+            err = a.get("expected_error")
+            text += _wrap("expected error: not yet measured (the sweep of docs/benchmarks.md has not been run on a "
+                          "quiet machine)" if err is None else f"expected error: {100 * err:.0f} % (the sweep, "
+                          "docs/benchmarks.md)")
         load = a.get("load") or {}
         if load.get("unreliable"):
             text += textwrap.wrap(
@@ -82,4 +96,19 @@ def format_report(report: dict[str, Any], title: str = "hfstream step report") -
     for note in report.get("notes") or ():
         lines.append(f"  note: {note}")
     lines += format_advice(report.get("advice"))
+    if "advice" in report and not report.get("advice") and report.get("ruled_out"):
+        lines.append("  no advice:")
+        for reason in report["ruled_out"]:
+            lines += _wrap_item(reason)
+    load = report.get("load") or {}
+    if load.get("loadavg_1min") is not None:
+        lines.append(f"  load: {load['loadavg_1min']} on {load.get('cores')} cores ({load.get('per_core')} per core; "
+                     f"advice unreliable above {load.get('limit_per_core')})"
+                     + (": UNRELIABLE" if load.get("unreliable") else ""))
     return "\n".join(lines)
+
+
+def _wrap_item(reason: str) -> list[str]:
+    """``    - reason`` wrapped, continuation lines under the text."""
+    return textwrap.wrap(reason, ADVICE_WIDTH, initial_indent="    - ", subsequent_indent="      ",
+                         break_on_hyphens=False)

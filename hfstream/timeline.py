@@ -244,6 +244,12 @@ class StepTimeline:
         self._cur: _PendingStep | None = None
         self._data_t0 = 0.0
         self._fwd: Any = None
+        # This thread's host intervals, ``(kind, start, end, cpu_ms)`` for kind "data", "forward" and
+        # "backward": perf_counter and time.thread_time around them, so the advice can tell a data wait
+        # spent computing from one spent waiting, and see the step's own thread lose CPU time to a
+        # producer beside it (`hfstream.advice`). Host times, also on an accelerator.
+        self.host_intervals: deque[tuple[str, float, float, float]] = deque(maxlen=8 * span_capacity)
+        self._host_mark = (0.0, 0.0)
 
     # -- marks, in step order ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -252,6 +258,7 @@ class StepTimeline:
         # step's parts summed past the step).
         start = self._clock.mark()
         self._data_t0 = time.perf_counter()
+        self._host_mark = (self._data_t0, time.thread_time())
         self._cur = _PendingStep(step=step, host_start=self._data_t0)
         self._cur.start = start
 
@@ -259,20 +266,31 @@ class StepTimeline:
         if self._cur is not None:
             self._cur.data_end = time.perf_counter()
             self._cur.data_wait_ms += (self._cur.data_end - self._data_t0) * 1e3
+            self._host_interval("data", self._cur.data_end)
 
     def forward_start(self) -> None:
         if self._cur is not None:
             self._fwd = [self._clock.mark(), None, None]
+            self._host_mark = (_host(self._fwd[0]), time.thread_time())
 
     def forward_end(self) -> None:
         if self._cur is not None and self._fwd is not None:
             self._fwd[1] = self._clock.mark()
+            self._host_interval("forward", _host(self._fwd[1]))
 
     def backward_end(self) -> None:
         if self._cur is not None and self._fwd is not None and self._fwd[1] is not None:
             self._fwd[2] = self._clock.mark()
             self._cur.micro.append(tuple(self._fwd))
+            self._host_interval("backward", _host(self._fwd[2]))
         self._fwd = None
+
+    def _host_interval(self, kind: str, end: float) -> None:
+        """Close the host interval opened at the last mark, and open the next one at ``end``."""
+        start, cpu = self._host_mark
+        now_cpu = time.thread_time()
+        self.host_intervals.append((kind, start, end, (now_cpu - cpu) * 1e3))
+        self._host_mark = (end, now_cpu)
 
     def add_comm(self, comm_busy_ms: float, exposed_comm_ms: float, bucket_spans=(),
                  exposed_span: tuple[float, float] | None = None, all_gather_busy_ms: float = math.nan,
@@ -426,6 +444,11 @@ class StepTimeline:
         self.resolve(wait=wait)
         recs = [r for r in self.records if since_step is None or r.step > since_step]
         return summarize(recs, warmup=warmup if since_step is None else 0)
+
+
+def _host(mark) -> float:
+    """A mark's host time: the mark itself on CPU (no second clock read), perf_counter for an event."""
+    return mark if isinstance(mark, float) else time.perf_counter()
 
 
 def _add_comm(p: _PendingStep, busy_ms, exposed_ms, bucket_spans, all_gather_busy_ms, all_gather_exposed_ms,

@@ -535,11 +535,11 @@ class StreamTrainerMixin:
 
     def _advise(self) -> None:
         """The report's advice (`hfstream.advice`), said once on rank 0, and the report on disk."""
-        from .advice import advise, facts_from_trainer
+        from .advice import advise_report, facts_from_trainer
         from .doctor import write_report
         from .report_format import format_advice
 
-        self._report["advice"] = advise(self._report["mean"], facts_from_trainer(self))
+        advise_report(self._report, facts_from_trainer(self))
         if self.is_world_process_zero():
             path = write_report(self._report, self.args.output_dir, step=self.state.global_step)
             for line in format_advice(self._report["advice"]):

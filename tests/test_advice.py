@@ -58,10 +58,17 @@ def test_comm_bound_run_gets_results_keeping_changes_first():
     # At 4 MiB buckets, on a link busier than backward: sharded hides the all-gather in the next
     # forward and halves the optimizer on 2 ranks.
     mean = dict(mean, exposed_comm_ms=120, step_ms=340)
-    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=4.0, plan=_plan()))
+    facts = RunFacts(grad_sync="overlap", world_size=2, bucket_mb=4.0, plan=_plan(), mode_switch_checked=True)
+    advice = advise(mean, facts)
     sharded = advice[0]
     assert sharded["setting"] == "grad_sync" and sharded["value"] == "sharded", advice
     assert "29 ms -> 14 ms" in sharded["reason"] and sharded["predicted_step_ms"] < 340 * (1 - MIN_SAVING)
+    # Until the sweep has checked mode-switch predictions on this kind of machine, the switch is held
+    # back, said among the reasons, its prediction kept.
+    why, held = [], []
+    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=4.0, plan=_plan()), why, held)
+    assert "grad_sync" not in [a["setting"] for a in advice] and held[0]["setting"] == "grad_sync"
+    assert any("mode switch is advised only once the sweep" in w for w in why), why
 
 
 def test_no_core_beside_the_compute_means_no_prefetch_advice():
@@ -157,7 +164,10 @@ def test_comm_bound_trainer_run_is_told_to_change_how_gradients_travel(tmp_path,
     assert mean["exposed_comm_ms"] > 0.25 * mean["step_ms"], mean
     assert advice and advice[0]["setting"] in ("grad_bucket_mb", "grad_sync"), advice
     assert not advice[0]["changes_results"]
-    assert all(a["predicted_step_ms"] <= mean["step_ms"] * (1 - MIN_SAVING) for a in advice)
+    # Each saves 5 %: of the step, or per sample for a larger effective batch (whose step is longer).
+    assert all(a["saving"] >= MIN_SAVING for a in advice)
+    assert all(a["predicted_step_ms"] <= mean["step_ms"] * (1 - MIN_SAVING) for a in advice
+               if "predicted_ms_per_sample" not in a)
 
 
 def test_run_at_its_ceiling_trainer_run_gets_no_advice_worth_ten_percent(tmp_path, one_compute_thread):

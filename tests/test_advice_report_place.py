@@ -95,7 +95,8 @@ def test_a_loaded_machine_marks_the_advice_unreliable_with_the_bench_threshold()
     quiet = advise(mean, RunFacts(grad_sync=None, prefetch_depth=0, loadavg_1min=LOADED_PER_CORE * 2, cores=2))
     loaded = advise(mean, RunFacts(grad_sync=None, prefetch_depth=0, loadavg_1min=LOADED_PER_CORE * 2 + 0.5,
                                    cores=2))
-    assert quiet[0]["load"] == {"loadavg_1min": 2.5, "cores": 2, "limit": 2.5, "unreliable": False}
+    assert quiet[0]["load"] == {"loadavg_1min": 2.5, "cores": 2, "limit": 2.5, "per_core": 1.25, "limit_per_core": 1.25,
+                                "unreliable": False}
     assert loaded[0]["load"]["unreliable"] and loaded[0]["load"]["loadavg_1min"] == 3.0
     assert "unreliable" not in format_advice(quiet)[0]
     assert "unreliable: the machine was loaded (1-minute load 3.0 on 2 cores, above 2.5)" in \
