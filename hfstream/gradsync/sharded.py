@@ -38,7 +38,7 @@ from .bucket_state import BucketState, Phase
 from .eager import ModelHook
 from .param_waits import ForwardWaits
 from .reduction import Reduction, Wiring, check_dense
-from .shard_layout import BucketShard
+from .shard_layout import BucketShard, slices_of
 
 
 class ShardedReduction(Reduction):
@@ -94,9 +94,10 @@ class ShardedReduction(Reduction):
             for p in st.params:
                 self._bucket_of[self._index[id(p)]] = st
         if self.attached:
-            self._build()
-            if previous is not None:   # collectives: gradient slices and optimizer state move along
-                shard_state.carry_over(self.optimizer, previous, states, self.wiring.group, self.wiring.world_size)
+            if previous is None:
+                self._build()
+            else:
+                self._rebuild(previous)
             self._install()
             for st in states:
                 st.layout.set_grads()
@@ -106,6 +107,40 @@ class ShardedReduction(Reduction):
         for st in self.states:
             st.layout = BucketShard(st, w.world_size, w.rank, self.local_sum)
             st.layout.refresh()
+
+    def _rebuild(self, previous: list[BucketState]) -> None:
+        """A re-plan: the old layout's slices and state move to the new one, one bucket at a time.
+
+        [Note: a re-plan holds one layout] Each layout is about a model's worth of gathered
+        parameters plus this rank's slices and state; building the new one whole while the old
+        one is alive would need that twice at every arrival-order re-plan and every
+        ``bucket_mb="auto"`` candidate. So the new buckets are cut first without buffers
+        (`shard_layout.slices_of`), each old bucket's gradient slices and optimizer state move to
+        the new pieces (held per piece, the same bytes) and the old bucket is freed at once, its
+        parameters back in storage of their own (`BucketShard.release`); then the new buckets
+        are built one by one, each taking its parameters into its gathered buffer and freeing
+        their own storage. The peak is one layout plus about one bucket (tests/test_replan_peak.py).
+        """
+        w = self.wiring
+        for group in self.optimizer.param_groups:
+            group["params"] = []   # the old pieces (views of the old masters) go with their buckets
+        self._bucket_groups = []
+        cuts = [(st.params, slices_of([p.numel() for p in st.params], w.world_size, w.rank)[2]) for st in self.states]
+        grads, state = shard_state.carry_over(self.optimizer, previous, cuts, w.group, w.world_size, self._retire)
+        for j, st in enumerate(self.states):
+            st.layout = sh = BucketShard(st, w.world_size, w.rank, self.local_sum)
+            sh.refresh()
+            for k, (pc, t) in enumerate(zip(sh.pieces, sh.tensors)):
+                if (j, k) in grads:
+                    sh.grad[pc.start:pc.end] = grads.pop((j, k))
+                if (j, k) in state:
+                    self.optimizer.state[t] = state.pop((j, k))
+
+    @staticmethod
+    def _retire(st: BucketState) -> None:
+        """An old bucket whose slices and state have moved: free its buffers (its parameters keep their values)."""
+        st.layout.release()
+        st.layout, st.buffer, st.views = None, None, []
 
     def shard_optimizer(self, optimizer, mode: str):
         return shard_optim.shard_optimizer(self, optimizer)
