@@ -28,6 +28,7 @@ Between the step and the next forward the parameters are stale; whatever reads t
 from __future__ import annotations
 
 import datetime
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,8 @@ class ShardedReduction(Reduction):
 
     Args:
         wiring: what GradSync shares (`reduction.Wiring`).
+        before_gathers: called before the step launches its first all-gather; returns None, or what
+            to call once they are all launched (GradSync's buffer broadcast, ``broadcast_buffers``).
 
     Attributes:
         optimizer: the sharded optimizer, once `shard_optimizer` was called (None before).
@@ -57,8 +60,9 @@ class ShardedReduction(Reduction):
     # tail short (DDP's small first bucket, at the other end). 1 MiB, as DDP's first.
     last_bucket_mb = 1.0
 
-    def __init__(self, wiring: Wiring):
+    def __init__(self, wiring: Wiring, before_gathers: Callable[[], Callable[[], None] | None] = lambda: None):
         super().__init__(wiring)
+        self.before_gathers = before_gathers
         self.local_sum = wiring.group is not None and collectives.reduces_locally(wiring.group)
         self.optimizer = None
         self.group_of: list[int] = []   # per hooked parameter: its optimizer param group
@@ -341,6 +345,7 @@ class ShardedReduction(Reduction):
         if closure is not None or step is None:
             return
         groups = [g["params"] for g in optimizer.param_groups]
+        landing = self.before_gathers()
         try:
             for st, split in zip(reversed(self.states), reversed(self._bucket_groups)):
                 self.wait_bucket(st)   # two steps without a forward between them
@@ -352,6 +357,9 @@ class ShardedReduction(Reduction):
             for group, params in zip(optimizer.param_groups, groups):
                 group["params"] = params
             raise
+        finally:
+            if landing is not None:
+                landing()
         self._stepped_groups = groups
         for group in optimizer.param_groups:
             group["params"] = []
@@ -366,9 +374,12 @@ class ShardedReduction(Reduction):
     def step_done(self) -> None:
         """After a one-call ``optimizer.step()``: launch every bucket's all-gather, in forward order."""
         self.waits.place()
+        landing = self.before_gathers()
         for st in reversed(self.states):
             self.wait_bucket(st)   # two steps without a forward between them
             self._launch_gather(st)
+        if landing is not None:
+            landing()
 
     def _launch_gather(self, st: BucketState) -> None:
         recorder, device, sh = self.wiring.recorder, st.plan.device, st.layout
