@@ -61,15 +61,16 @@ class ShardedReduction(Reduction):
     last_bucket_mb = 1.0
 
     def __init__(self, wiring: Wiring, before_gathers: Callable[[], Callable[[], None] | None] = lambda: None):
-        super().__init__(wiring)
-        self.before_gathers = before_gathers
+        super().__init__(wiring)   # self.states: the current plan's buckets, each with its `BucketShard`
+        self.before_gathers = before_gathers   # GradSync's: what goes out ahead of the step's all-gathers
+        # gloo: the reduce-scatter is an all-to-all plus a local sum (`collectives.reduces_locally`).
         self.local_sum = wiring.group is not None and collectives.reduces_locally(wiring.group)
-        self.optimizer = None
+        self.optimizer: torch.optim.Optimizer | None = None   # the ZeRO-1 optimizer, once `attach` ran
         self.group_of: list[int] = []   # per hooked parameter: its optimizer param group
-        self._index = {id(p): i for i, (_, p) in enumerate(wiring.hooked)}
+        self._index = {id(p): i for i, (_, p) in enumerate(wiring.hooked)}   # id(parameter) -> hooked position
         self._bucket_of: list[BucketState] = []   # per hooked parameter: its bucket now
-        self.waits = ForwardWaits(wiring.model, wiring.hooked, self._wait_indices, wiring.note)
-        self._handles: list = []
+        self.waits = ForwardWaits(wiring.model, wiring.hooked, self._wait_indices, wiring.note)   # the forward's waits
+        self._handles: list = []   # the optimizer's and the model's hooks, removed by close()
         self.closed = False   # after close(): a second train() re-cuts the optimizer it sharded
         self._stepped_groups = None   # the param groups, while a pipelined step left them empty
         self._bucket_groups: list = []   # per bucket: its pieces per param group (`_install`)
