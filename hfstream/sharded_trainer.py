@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
 from .gradsync.eager import ModelHook
+from .gradsync.sharded import ShardedReduction
 
 _OWN_CALLBACKS = ("transformers.trainer_callback", "transformers.integrations")   # never read parameters
 _GRADIENT_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")   # stock holds the mean gradient there
@@ -44,19 +46,51 @@ def _user_callbacks(callbacks, event: str) -> list:
             and not type(cb).__module__.startswith(_OWN_CALLBACKS)]
 
 
+def sharded_reduction(sync) -> ShardedReduction:
+    """``sync``'s strategy, which must be the sharded one: only it has the gradient gathers used here.
+
+    `gather_gradients`/`scatter_gradients` (the whole mean gradient in ``.grad`` for user code, and
+    back into the slices) mean nothing under the whole-gradient strategies, where ``.grad`` is
+    whole already, so they are not on the `reduction.Reduction` contract; a call site says
+    which strategy it holds through this.
+    """
+    if not isinstance(sync.reduction, ShardedReduction):
+        raise TypeError(f"expected GradSync(mode='sharded'), got mode={sync.mode!r}")
+    return sync.reduction
+
+
 class CallbackGuard:
     """Wraps the Trainer's ``callback_handler.call_event`` (the one place every event goes through).
 
+    Constructing it changes nothing; `install` puts it in front of ``call_event``, `uninstall`
+    puts the handler's own back.
+
     Args:
         handler: the Trainer's ``callback_handler``.
-        sharded_sync: returns the trainer's GradSync while it is sharded on several processes, else None.
+        sharded_sync: returns the trainer's GradSync while its optimizer is sharded (ZeRO-1) on several
+            processes, else None.
         note: says a note once (the trainer's log).
+
+    >>> guard = CallbackGuard(trainer.callback_handler, lambda: None, print).install()   # doctest: +SKIP
     """
 
-    def __init__(self, handler, sharded_sync, note):
-        self.handler, self._sharded_sync, self._note = handler, sharded_sync, note
-        self._call = handler.call_event
-        handler.call_event = self.call_event
+    def __init__(self, handler, sharded_sync: Callable[[], object | None], note: Callable[[str], None]):
+        self.handler = handler               # the Trainer's CallbackHandler, whose call_event is wrapped
+        self._sharded_sync = sharded_sync    # the GradSync to wait on, or None: pass every event through
+        self._note = note                    # says a note once
+        self._call = None                    # the handler's own call_event, while installed
+
+    def install(self) -> "CallbackGuard":
+        """Put the guard in front of the handler's ``call_event``; returns itself."""
+        if self._call is None:
+            self._call = self.handler.call_event
+            self.handler.call_event = self.call_event
+        return self
+
+    def uninstall(self) -> None:
+        """Give the handler its own ``call_event`` back."""
+        if self._call is not None:
+            self.handler.call_event, self._call = self._call, None
 
     def call_event(self, event, args, state, control, **kwargs):
         sync = self._sharded_sync()
@@ -72,12 +106,13 @@ class CallbackGuard:
                            f"in .grad; under grad_sync='sharded' each rank holds only its slice, so hfstream gathers "
                            f"the whole gradient for it every step (one all-gather of the gradients, their memory "
                            f"again). For norms only, read trainer.grad_sync.grad_norms() instead")
-        sync.reduction.gather_gradients()
+        reduction = sharded_reduction(sync)
+        reduction.gather_gradients()
         try:
             return self._call(event, args, state, control, **kwargs)
         finally:
             # Before the step a callback may have changed .grad (custom clipping): the slices take it.
-            sync.reduction.scatter_gradients() if event == "on_pre_optimizer_step" else _release(sync)
+            reduction.scatter_gradients() if event == "on_pre_optimizer_step" else _release(sync)
 
 
 def _release(sync) -> None:
@@ -103,10 +138,10 @@ class PreForwardReads(TorchFunctionMode):
 
     def __init__(self, hooked, model: torch.nn.Module):
         super().__init__()
-        self._names = {id(p): n for n, p in hooked}
-        self.read: list[str] = []
-        self._began = False
-        self._handle = model.register_forward_pre_hook(ModelHook(self._forward_began))
+        self._names = {id(p): n for n, p in hooked}   # id(parameter) -> its name, the ones watched
+        self.read: list[str] = []   # names read before the forward, in the order first read
+        self._began = False         # the model's forward has begun: the watch is over
+        self._handle = model.register_forward_pre_hook(ModelHook(self._forward_began))   # removed on exit
 
     def _forward_began(self, *_):
         self._began = True
@@ -136,9 +171,9 @@ class GradientReads(TorchFunctionMode):
 
     def __init__(self):
         super().__init__()
-        self._ids: set[int] = set()
+        self._ids: set[int] = set()   # id() of the gradients hfstream gave (`gathered`)
         self._given: list = []   # (parameter, the gradient hfstream gave it)
-        self.read = False
+        self.read = False        # a torch function outside backward received one of them
 
     def gathered(self, hooked) -> None:
         self._given = [(p, p.grad) for _, p in hooked if p.grad is not None]

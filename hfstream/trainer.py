@@ -40,6 +40,7 @@ from .args import StreamTrainingArguments
 from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
 from .gradsync.eager import ModelHook
+from .sharded_trainer import sharded_reduction
 from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_sharded, resolve_grad_sync
 from .log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
@@ -109,7 +110,8 @@ class StreamTrainerMixin:
         self._gradient_reads = None                 # the first step's watch, while it runs
         from .sharded_trainer import CallbackGuard
 
-        CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._optimizer_sharded else None, self._note)
+        CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._optimizer_sharded else None,
+                      self._note).install()
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
@@ -361,7 +363,7 @@ class StreamTrainerMixin:
             sync.after_backward = self._backward_ended if syncs else None
             self._backwards, self._whole_in_window = 0, whole
             if self._optimizer_sharded:
-                sync.reduction.accumulate = False
+                sharded_reduction(sync).accumulate = False
         if timeline is not None:
             timeline.forward_start()
         try:
@@ -375,7 +377,7 @@ class StreamTrainerMixin:
         if sync is not None and syncs:
             self._backward_ended()
             if whole:   # the slices take the whole gradient, as the user's code left it
-                sync.reduction.scatter_gradients()
+                sharded_reduction(sync).scatter_gradients()
         if timeline is not None and self.accelerator.sync_gradients:
             timeline.optimizer_start()
         return loss
@@ -398,11 +400,11 @@ class StreamTrainerMixin:
         self._backwards += 1
         if self._optimizer_sharded:
             if self._whole_in_window:
-                sync.reduction.gather_gradients()   # the mean, whole, in .grad: a further backward adds to it
+                sharded_reduction(sync).gather_gradients()   # the mean, whole, in .grad: a further backward adds to it
                 if self._gradient_reads is not None:
                     self._gradient_reads.gathered(sync.hooked_parameters)
             else:
-                sync.reduction.accumulate = True    # a further backward adds its mean to the slices'
+                sharded_reduction(sync).accumulate = True    # a further backward adds its mean to the slices'
         if timeline is not None and sync.after_backward is not None:
             timeline.forward_start()   # a further forward of this step (FGM, SAM) is timed from here
 

@@ -51,6 +51,19 @@ def offsets_of(numels: list[int]) -> list[int]:
     return out
 
 
+def slices_of(numels: list[int], world_size: int, rank: int) -> tuple[list[int], int, list["Piece"]]:
+    """A bucket's geometry, without a buffer: each parameter's offset, elements per rank, ``rank``'s pieces.
+
+    A re-plan cuts the new buckets' pieces with it before any new buffer exists (`shard_state.carry_over`).
+
+    >>> slices_of([3, 4], world_size=2, rank=1)
+    ([0, 3], 4, [Piece(slot=1, start=0, end=3, param_start=1, param_end=4)])
+    """
+    offsets = offsets_of(numels)
+    size = -(-sum(numels) // world_size)
+    return offsets, size, pieces_of(offsets, numels, size, rank)
+
+
 def pieces_of(offsets: list[int], numels: list[int], size: int, rank: int) -> list[Piece]:
     """The parts of the parameters that fall in ``rank``'s slice ``[rank * size, (rank + 1) * size)``.
 
@@ -88,10 +101,8 @@ class BucketShard:
         self.params = st.params
         dtype, device, wire = st.plan.dtype, st.plan.device, st.wire_dtype
         self.numels = [p.numel() for p in st.params]
-        self.offsets = offsets_of(self.numels)
-        self.size = -(-sum(self.numels) // world_size)
+        self.offsets, self.size, self.pieces = slices_of(self.numels, world_size, rank)
         padded = self.size * world_size
-        self.pieces = pieces_of(self.offsets, self.numels, self.size, rank)
         # Padding is zero and stays zero: packing writes the parameters' views only.
         st.buffer = torch.zeros(padded, dtype=wire, device=device)
         st.views = [st.buffer[o:o + n].view(p.shape) for o, n, p in zip(self.offsets, self.numels, st.params)]

@@ -12,7 +12,7 @@ optimizer has:
                            pieces: the sharded optimizer's ``load_state_dict`` does it by itself
                            (a load pre-hook), so ``resume_from_checkpoint`` needs no change
     carry_over             a re-plan's move of gradient slices and state to the new pieces,
-                           one old bucket at a time
+                           one old bucket at a time, each freed once it has moved
 
 State is of three kinds: per element (shaped like its tensor: momentum, exp_avg), per
 parameter (a 0-dim tensor: Adam's "step", which differs between a parameter frozen for a while
@@ -179,30 +179,44 @@ def _cut(whole: dict, p, pc) -> dict:
 
 # -- a re-plan -----------------------------------------------------------------------------------------
 @torch.no_grad()
-def carry_over(optimizer, old_states, new_states, group, world_size: int) -> None:
+def carry_over(optimizer, old_states, new_buckets, group, world_size: int, retire) -> tuple[dict, dict]:
     """Move the mean-gradient slices and the optimizer's state from the old buckets' pieces to the new ones.
 
-    Collectives (every rank calls it at the same step, between steps), one old bucket at a time,
-    so at most one whole bucket per state key is in memory.
+    Collectives (every rank calls it at the same step, between steps), one old bucket at a time.
+    The new buckets have no buffers yet: what moves is kept per new piece, and each old bucket
+    is handed to ``retire`` (which frees its buffers) as soon as it has moved, so the two layouts
+    are never both whole (at most one old bucket's worth more than one layout is in memory).
+
+    Args:
+        new_buckets: per new bucket, ``(parameters, this rank's pieces)`` (`shard_layout.slices_of`).
+        retire: called with each old `BucketState` once nothing more is read from it.
+
+    Returns:
+        ``grads, state``: ``(new bucket, piece) -> `` the piece's mean-gradient values and its
+        optimizer state (absent for a piece whose parameter no rank has state for).
     """
     keys = _agree_on_keys(optimizer, old_states, group, world_size)
-    new_pieces = {}   # id(parameter) -> [(new bucket's layout, piece, tensor)]
-    for st in new_states:
-        for pc, t in zip(st.layout.pieces, st.layout.tensors):
-            new_pieces.setdefault(id(st.params[pc.slot]), []).append((st.layout, pc, t))
+    where = {}   # id(parameter) -> [((new bucket, piece), Piece)]
+    for j, (params, pieces) in enumerate(new_buckets):
+        for k, pc in enumerate(pieces):
+            where.setdefault(id(params[pc.slot]), []).append(((j, k), pc))
+    grads, state = {}, {}
     for st in old_states:
         sh = st.layout
-        grads = _gathered(sh, sh.grad, group, world_size)
+        whole = _gathered(sh, sh.grad, group, world_size)
         for p, o in zip(sh.params, sh.offsets):
-            for new, pc, _ in new_pieces.get(id(p), []):
-                new.grad[pc.start:pc.end] = grads[o + pc.param_start:o + pc.param_end]
-        del grads
+            for key, pc in where.get(id(p), []):
+                grads[key] = whole[o + pc.param_start:o + pc.param_end].clone()
+        del whole
         wholes = _whole_of_bucket(optimizer, st, keys, group, world_size)
         for p in sh.params:
-            for _, pc, t in new_pieces.get(id(p), []) if id(p) in wholes else ():
-                optimizer.state[t] = _cut(wholes[id(p)], p, pc)
+            for key, pc in where.get(id(p), []) if id(p) in wholes else ():
+                state[key] = _cut(wholes[id(p)], p, pc)
+        del wholes
         for t in sh.tensors:
             optimizer.state.pop(t, None)
+        retire(st)
+    return grads, state
 
 
 # -- the whole form: checkpoints -------------------------------------------------------------------

@@ -28,6 +28,7 @@ Between the step and the next forward the parameters are stale; whatever reads t
 from __future__ import annotations
 
 import datetime
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from .bucket_state import BucketState, Phase
 from .eager import ModelHook
 from .param_waits import ForwardWaits
 from .reduction import Reduction, Wiring, check_dense
-from .shard_layout import BucketShard
+from .shard_layout import BucketShard, slices_of
 
 
 class ShardedReduction(Reduction):
@@ -46,6 +47,8 @@ class ShardedReduction(Reduction):
 
     Args:
         wiring: what GradSync shares (`reduction.Wiring`).
+        before_gathers: called before the step launches its first all-gather; returns None, or what
+            to call once they are all launched (GradSync's buffer broadcast, ``broadcast_buffers``).
 
     Attributes:
         optimizer: the sharded optimizer, once `shard_optimizer` was called (None before).
@@ -57,15 +60,17 @@ class ShardedReduction(Reduction):
     # tail short (DDP's small first bucket, at the other end). 1 MiB, as DDP's first.
     last_bucket_mb = 1.0
 
-    def __init__(self, wiring: Wiring):
-        super().__init__(wiring)
+    def __init__(self, wiring: Wiring, before_gathers: Callable[[], Callable[[], None] | None] = lambda: None):
+        super().__init__(wiring)   # self.states: the current plan's buckets, each with its `BucketShard`
+        self.before_gathers = before_gathers   # GradSync's: what goes out ahead of the step's all-gathers
+        # gloo: the reduce-scatter is an all-to-all plus a local sum (`collectives.reduces_locally`).
         self.local_sum = wiring.group is not None and collectives.reduces_locally(wiring.group)
-        self.optimizer = None
+        self.optimizer: torch.optim.Optimizer | None = None   # the ZeRO-1 optimizer, once `attach` ran
         self.group_of: list[int] = []   # per hooked parameter: its optimizer param group
-        self._index = {id(p): i for i, (_, p) in enumerate(wiring.hooked)}
+        self._index = {id(p): i for i, (_, p) in enumerate(wiring.hooked)}   # id(parameter) -> hooked position
         self._bucket_of: list[BucketState] = []   # per hooked parameter: its bucket now
-        self.waits = ForwardWaits(wiring.model, wiring.hooked, self._wait_indices, wiring.note)
-        self._handles: list = []
+        self.waits = ForwardWaits(wiring.model, wiring.hooked, self._wait_indices, wiring.note)   # the forward's waits
+        self._handles: list = []   # the optimizer's and the model's hooks, removed by close()
         self.closed = False   # after close(): a second train() re-cuts the optimizer it sharded
         self._stepped_groups = None   # the param groups, while a pipelined step left them empty
         self._bucket_groups: list = []   # per bucket: its pieces per param group (`_install`)
@@ -94,9 +99,10 @@ class ShardedReduction(Reduction):
             for p in st.params:
                 self._bucket_of[self._index[id(p)]] = st
         if self.attached:
-            self._build()
-            if previous is not None:   # collectives: gradient slices and optimizer state move along
-                shard_state.carry_over(self.optimizer, previous, states, self.wiring.group, self.wiring.world_size)
+            if previous is None:
+                self._build()
+            else:
+                self._rebuild(previous)
             self._install()
             for st in states:
                 st.layout.set_grads()
@@ -106,6 +112,40 @@ class ShardedReduction(Reduction):
         for st in self.states:
             st.layout = BucketShard(st, w.world_size, w.rank, self.local_sum)
             st.layout.refresh()
+
+    def _rebuild(self, previous: list[BucketState]) -> None:
+        """A re-plan: the old layout's slices and state move to the new one, one bucket at a time.
+
+        [Note: a re-plan holds one layout] Each layout is about a model's worth of gathered
+        parameters plus this rank's slices and state; building the new one whole while the old
+        one is alive would need that twice at every arrival-order re-plan and every
+        ``bucket_mb="auto"`` candidate. So the new buckets are cut first without buffers
+        (`shard_layout.slices_of`), each old bucket's gradient slices and optimizer state move to
+        the new pieces (held per piece, the same bytes) and the old bucket is freed at once, its
+        parameters back in storage of their own (`BucketShard.release`); then the new buckets
+        are built one by one, each taking its parameters into its gathered buffer and freeing
+        their own storage. The peak is one layout plus about one bucket (tests/test_replan_peak.py).
+        """
+        w = self.wiring
+        for group in self.optimizer.param_groups:
+            group["params"] = []   # the old pieces (views of the old masters) go with their buckets
+        self._bucket_groups = []
+        cuts = [(st.params, slices_of([p.numel() for p in st.params], w.world_size, w.rank)[2]) for st in self.states]
+        grads, state = shard_state.carry_over(self.optimizer, previous, cuts, w.group, w.world_size, self._retire)
+        for j, st in enumerate(self.states):
+            st.layout = sh = BucketShard(st, w.world_size, w.rank, self.local_sum)
+            sh.refresh()
+            for k, (pc, t) in enumerate(zip(sh.pieces, sh.tensors)):
+                if (j, k) in grads:
+                    sh.grad[pc.start:pc.end] = grads.pop((j, k))
+                if (j, k) in state:
+                    self.optimizer.state[t] = state.pop((j, k))
+
+    @staticmethod
+    def _retire(st: BucketState) -> None:
+        """An old bucket whose slices and state have moved: free its buffers (its parameters keep their values)."""
+        st.layout.release()
+        st.layout, st.buffer, st.views = None, None, []
 
     def shard_optimizer(self, optimizer, mode: str):
         return shard_optim.shard_optimizer(self, optimizer)
@@ -312,6 +352,7 @@ class ShardedReduction(Reduction):
         if closure is not None or step is None:
             return
         groups = [g["params"] for g in optimizer.param_groups]
+        landing = self.before_gathers()
         try:
             for st, split in zip(reversed(self.states), reversed(self._bucket_groups)):
                 self.wait_bucket(st)   # two steps without a forward between them
@@ -323,6 +364,9 @@ class ShardedReduction(Reduction):
             for group, params in zip(optimizer.param_groups, groups):
                 group["params"] = params
             raise
+        finally:
+            if landing is not None:
+                landing()
         self._stepped_groups = groups
         for group in optimizer.param_groups:
             group["params"] = []
@@ -337,9 +381,12 @@ class ShardedReduction(Reduction):
     def step_done(self) -> None:
         """After a one-call ``optimizer.step()``: launch every bucket's all-gather, in forward order."""
         self.waits.place()
+        landing = self.before_gathers()
         for st in reversed(self.states):
             self.wait_bucket(st)   # two steps without a forward between them
             self._launch_gather(st)
+        if landing is not None:
+            landing()
 
     def _launch_gather(self, st: BucketState) -> None:
         recorder, device, sh = self.wiring.recorder, st.plan.device, st.layout

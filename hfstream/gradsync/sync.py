@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from .. import streams
 from . import faults, registry, shard_optim
+from . import broadcast
 from .broadcast import broadcast_from_rank0
 from .bucket_state import BucketState, Phase
 from .buckets import Bucket
@@ -149,6 +150,9 @@ class GradSync:
         # DDP's require_forward_param_sync: whether the last training forward was a synchronised one
         # (True before the first); the buffers are broadcast before the forward that follows it.
         self._forward_param_sync = True
+        # broadcast_buffers under sharded: the next training forward's broadcast went out with the step,
+        # ahead of its all-gathers (`_buffers_before_gathers`); that forward does not broadcast again.
+        self._buffers_sent = False
         self.after_backward = None
 
         self._hooked = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -170,8 +174,8 @@ class GradSync:
         self._recorder = StatsRecorder()
         self._wiring = Wiring(model, self._hooked, process_group, self.world_size, self.rank, self.timeout_s,
                               self._recorder, self._comm_streams, self._say)
-        self.reduction: Reduction = (ShardedReduction(self._wiring) if mode == "sharded"
-                                     else AllReduce(self._wiring, serial=mode == "serial"))
+        self.reduction: Reduction = (ShardedReduction(self._wiring, before_gathers=self._buffers_before_gathers)
+                                     if mode == "sharded" else AllReduce(self._wiring, serial=mode == "serial"))
         self.last_bucket_mb = self.reduction.last_bucket_mb if last_bucket_mb is None else last_bucket_mb
         self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None,
                                 tune_whole_step=self.reduction.tune_whole_step, last_bucket_mb=self.last_bucket_mb)
@@ -280,9 +284,28 @@ class GradSync:
                     if not p.requires_grad:   # frozen since: no hook will fire, its bucket need not wait
                         st, slot = self._where[i]
                         self._mark_ready(st, slot)
-        if self.broadcast_buffers and self._forward_param_sync:
+        if self.broadcast_buffers and self._forward_param_sync and not self._buffers_sent:
             broadcast_from_rank0(self.model, self.process_group, buffers_only=True)
+        self._buffers_sent = False
         self._forward_param_sync = self.require_backward_grad_sync
+
+    def _buffers_before_gathers(self):
+        """mode="sharded": the next training forward's buffer broadcast, launched before the step's all-gathers.
+
+        [Note: buffer broadcast order] Collectives on one process group run in the order they are
+        issued (NCCL: one stream per communicator and device; gloo: one queue), so a broadcast in
+        the next forward's pre-hook would wait for every all-gather of the step before it, and the
+        forward with it: the gathers would hide behind nothing. Issued here, ahead of them, it
+        waits for none; it lands (``land``: a stream wait on NCCL, not a host wait) once the gathers
+        are launched. The values are rank 0's buffers at the step, which the next forward would
+        have broadcast: buffers change in training forwards, and none runs in between (a write to
+        them between the step and the next forward is kept, where DDP would broadcast over it).
+        """
+        if not (self.broadcast_buffers and self._forward_param_sync):
+            return None
+        pending = broadcast.launch_from_rank0(self.model, self.process_group, buffers_only=True)
+        self._buffers_sent = True
+        return functools.partial(broadcast.land, pending)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
