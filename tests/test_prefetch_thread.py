@@ -1,0 +1,109 @@
+"""The CPU prefetch thread's life (`hfstream.prefetch_thread.ThreadEpoch`): what a user relies on.
+
+- at the end of its source (or at its error) the thread stops by itself and never pulls again;
+- an epoch's ``close()`` joins the thread (gone on return, no waiting), warns only when the
+  source does not return in time, and lets go of the batches it had prepared.
+
+Waits here are on events and joins with a hang guard, never on a speed threshold.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import hfstream.prefetch_thread as prefetch_thread
+from hfstream.prefetch import StreamPrefetcher
+
+GUARD_S = 30.0   # a hang guard, not a speed threshold
+
+
+class Counting:
+    """An iterator over ``n`` batches that counts every ``next()`` asked of it (then fails, if told)."""
+
+    def __init__(self, n: int, fail: bool = False):
+        self.n, self.fail, self.calls = n, fail, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.calls += 1
+        if self.calls > self.n:
+            if self.fail:
+                raise ValueError("the source broke")
+            raise StopIteration
+        return {"x": torch.full((2,), float(self.calls))}
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_thread_stops_by_itself_at_the_end_of_its_source_and_never_pulls_again(fail):
+    source = Counting(2, fail=fail)
+    epoch = iter(StreamPrefetcher(source, device="cpu", depth=4))   # room for every item: it never blocks
+    epoch.thread.join(GUARD_S)
+    assert not epoch.thread.is_alive(), "the thread outlived its source's end"
+    assert source.calls == 3          # two batches, then the end (or the error), asked once
+    assert [float(b["x"][0]) for b in [next(epoch), next(epoch)]] == [1.0, 2.0]
+    with pytest.raises(ValueError if fail else StopIteration):
+        next(epoch)
+
+
+def test_an_epochs_close_joins_its_thread_and_does_not_warn():
+    epoch = iter(StreamPrefetcher(Counting(100), device="cpu", depth=2))
+    next(epoch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        epoch.close()
+    assert not epoch.thread.is_alive()   # joined: gone on return, without waiting for it
+
+
+def test_close_warns_when_the_source_does_not_return_in_time(monkeypatch):
+    monkeypatch.setattr(prefetch_thread, "JOIN_TIMEOUT_S", 0.01)
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck():
+        yield {"x": torch.zeros(1)}
+        inside.set()
+        release.wait(GUARD_S)          # a network read that hangs
+        yield {"x": torch.ones(1)}
+
+    epoch = iter(StreamPrefetcher(stuck(), device="cpu", depth=1))
+    next(epoch)
+    assert inside.wait(GUARD_S)
+    with pytest.warns(UserWarning, match="did not return within"):
+        epoch.close()
+    release.set()
+    epoch.thread.join(GUARD_S)
+    assert not epoch.thread.is_alive()
+
+
+def test_close_lets_go_of_the_batches_it_prepared():
+    refs = []
+
+    def make(i):
+        t = torch.full((1000,), float(i))
+        refs.append(weakref.ref(t))
+        return {"x": t}
+
+    def source():
+        for i in range(10):
+            yield make(i)
+
+    depth = 3
+    epoch = iter(StreamPrefetcher(source(), device="cpu", depth=depth))
+    held = next(epoch)
+    deadline = time.monotonic() + GUARD_S   # a hang guard: the thread fills the queue and holds one more
+    while len(refs) < 1 + depth + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    epoch.close()
+    gc.collect()
+    # the queue held batches 1-3 and the thread one more: none of them is referenced after close()
+    prepared = refs[1:]
+    assert len(prepared) == depth + 1 and held["x"] is refs[0]()
+    assert [r() for r in prepared] == [None] * len(prepared)
