@@ -357,22 +357,29 @@ def watched_step(step, mode: str, ctx, checks: Checks, numbers: dict) -> None:
 
 
 # -- overlap ---------------------------------------------------------------------------------------
-def _overlap(ctx, checks: Checks, numbers: dict) -> None:
-    from hfstream import GradSync
-
+def _train_steps(model, sync, opt, ref, ref_opt, mode: str, ctx, checks: Checks, numbers: dict):
+    """The part's training steps beside the single-process reference's, the last one watched; the last stats."""
     size, dev = ctx["size"], ctx["dev"]
-    model, ref = _models(ctx)
-    sync = GradSync(model, bucket_mb=size["bucket_mb"], mode="overlap", process_group=ctx["group"], timeout=60)
-    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
     stats = None
     for step in range(size["steps"]):
         x, y = _data(step, ctx["rank"], size, dev)
         if step == size["steps"] - 1:
-            watched_step(lambda: _train_step(model, sync, opt, x, y), "overlap", ctx, checks, numbers)
+            watched_step(lambda: _train_step(model, sync, opt, x, y), mode, ctx, checks, numbers)
         else:
             _train_step(model, sync, opt, x, y)
         stats = sync.stats
         _reference_step(ref, ref_opt, step, ctx)
+    return stats
+
+
+def _overlap(ctx, checks: Checks, numbers: dict) -> None:
+    from hfstream import GradSync
+
+    size = ctx["size"]
+    model, ref = _models(ctx)
+    sync = GradSync(model, bucket_mb=size["bucket_mb"], mode="overlap", process_group=ctx["group"], timeout=60)
+    opt, ref_opt = _sgd(model.parameters()), _sgd(ref.parameters())
+    stats = _train_steps(model, sync, opt, ref, ref_opt, "overlap", ctx, checks, numbers)
     numbers["overlap_diff"] = compare_tensors(
         checks, f"overlap: parameters equal the single-process mean's after {size['steps']} steps",
         list(model.parameters()), list(ref.parameters()), PARAM_ATOL, "parameter tensors")
@@ -427,20 +434,12 @@ def _sharded_pair(ctx):
 
 
 def _sharded(ctx, checks: Checks, numbers: dict) -> None:
-    size, dev = ctx["size"], ctx["dev"]
+    size = ctx["size"]
     model, ref, sync, opt, ref_opt = _sharded_pair(ctx)
     pending: list[int] = []
     # Runs before every other pre-hook (GradSync's waits included): what is in flight as the forward begins.
     handle = model.register_forward_pre_hook(lambda _m, _a: pending.append(len(sync.params_pending)), prepend=True)
-    stats = None
-    for step in range(size["steps"]):
-        x, y = _data(step, ctx["rank"], size, dev)
-        if step == size["steps"] - 1:
-            watched_step(lambda: _train_step(model, sync, opt, x, y), "sharded", ctx, checks, numbers)
-        else:
-            _train_step(model, sync, opt, x, y)
-        stats = sync.stats
-        _reference_step(ref, ref_opt, step, ctx)
+    stats = _train_steps(model, sync, opt, ref, ref_opt, "sharded", ctx, checks, numbers)
     handle.remove()
     sync.wait_for_params()
     numbers["sharded_diff"] = compare_tensors(
