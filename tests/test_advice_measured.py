@@ -251,3 +251,27 @@ def test_backwards_slow_down_under_communication_is_fitted_from_the_runs_spans()
     flat = [s for s in spans if s[1] == "compute"]   # no comm anywhere: nothing to fit from
     assert comm_slowdown(flat) is None
     assert math.isfinite(comm_slowdown(spans))
+
+
+def test_one_slow_step_does_not_carry_the_slowdown_fit():
+    # The spans of a loaded CI run (2 ranks, 9 steps): every backward ~10 ms with ~0.2 ms of comm in
+    # flight, but one stretched to 82 ms by the machine while 3 ms of comm happened to be in flight. A
+    # least-squares line says over 20 ms of backward per ms in flight, which ruled every bucket cap out.
+    spans = []
+    for rank in (0, 1):
+        for s in range(9):
+            t0 = 1.0 * s
+            inflight, length = (0.003, 0.082) if (rank, s) == (0, 1) else (0.0002 + 0.00002 * s, 0.010 + 0.0001 * s)
+            spans.append([rank, "compute", "backward", t0, t0 + length])
+            spans.append([rank, "comm", "bucket 0", t0 + length - inflight, t0 + length + 0.015])
+    k = comm_slowdown(spans)
+    assert k is None or k <= 1.0, k
+    # Backwards that really slow down with more in flight are still fitted, and never past 1 ms per ms
+    # (a collective sharing the cores can at worst stop backward while it runs).
+    steep = []
+    for s, inflight in enumerate((0.0, 0.010, 0.020, 0.030)):
+        t0 = 10.0 * s
+        steep.append([0, "compute", "backward", t0, t0 + 0.040 + 3.0 * inflight])
+        if inflight:
+            steep.append([0, "comm", "bucket 0", t0, t0 + inflight])
+    assert comm_slowdown(steep) == 1.0
