@@ -263,12 +263,30 @@ def test_a_tie_within_the_measured_noise_goes_to_the_larger_cap_and_a_clear_win_
         _feed(t, per_candidate)
         return t
 
-    # 1 MiB's median 10.0 is lowest, 4 MiB's 10.4 is within 4 MiB's noise (half its spread: 0.5)
-    t = tuned([[9.5, 10.0, 10.5], [12.0, 12.0, 12.0], [9.9, 10.4, 10.9]])
-    assert t.scores_ms == [10.0, 12.0, 10.4] and t.noise_ms == [0.5, 0.0, 0.5]
+    # 1 MiB's median 10.0 is lowest, 4 MiB's 10.15 is within a median's noise (half the spread, 0.5,
+    # over the root of 3 steps: 0.29) and within 2 % of the best
+    t = tuned([[9.5, 10.0, 10.5], [12.0, 12.0, 12.0], [9.65, 10.15, 10.65]])
+    assert t.scores_ms == [10.0, 12.0, 10.15] and t.noise_ms == [0.5, 0.0, 0.5]
     assert t.decide().bucket_mb == 4.0
+    # 101.2 is within half the spread (1.5) of 100 and within 2 %, but not within a median's noise
+    # (1.5 / root 3 = 0.87): the lowest wins
+    assert tuned([[98.5, 100.0, 101.5], [120.0] * 3, [99.7, 101.2, 102.7]]).decide().bucket_mb == 1.0
     # the same medians with steady steps (no noise): the lowest score wins
-    assert tuned([[10.0] * 3, [12.0] * 3, [10.4] * 3]).decide().bucket_mb == 1.0
+    assert tuned([[10.0] * 3, [12.0] * 3, [10.15] * 3]).decide().bucket_mb == 1.0
+
+
+def test_noisy_whole_steps_never_tie_a_cap_more_than_two_percent_behind():
+    # The 1000 Mbit/s bench of 2026-12-02 (sharded, medians of 5 whole steps): every cap tied with the
+    # next and 16 MiB, 10 % slower, was chosen. Its spreads were not logged; here +-80 ms, where even
+    # a median's noise (80 / root 5 = 36 ms) ties every cap: the 2 % bound decides.
+    from hfstream.gradsync.tune import BucketTuner
+
+    caps = [0.25, 1.0, 4.0, 8.0, 16.0]
+    t = BucketTuner(caps, [32, 8, 4, 3, 2], scored_steps=5, statistic="median", tie_within_noise=True,
+                    stop_margin=10.0)
+    _feed(t, [[m - 80, m - 40, m, m + 40, m + 80] for m in (353.0, 357.5, 372.4, 375.9, 388.5)])
+    assert t.scores_ms == [353.0, 357.5, 372.4, 375.9, 388.5]
+    assert t.decide().bucket_mb == 1.0   # 1.3 % behind: a tie; 4 MiB is 5.5 % behind
     # without the rule an exact tie goes to the smaller cap
     plain = BucketTuner([1.0, 2.0], [4, 2], scored_steps=1)
     _feed(plain, [[3.0], [3.0]])
