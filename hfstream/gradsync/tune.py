@@ -190,7 +190,8 @@ class BucketTuner:
             scores_ms={float(c): s for c, s in zip(self.candidates_mb, self.scores_ms)},
             steps=self.steps,
             scored=(f"{'best' if self.statistic == 'min' else 'median'} of {self.scored_steps} steps, slowest rank"
-                    + (f", a tie within a median's noise (at most {self.tie_margin:.0%}) to the larger cap" if self.tie_within_noise else "")),
+                    + (f", a tie within a median's noise (at most {self.tie_margin:.0%}) to the larger cap"
+                       if self.tie_within_noise else "")),
         )
 
     def __repr__(self) -> str:
