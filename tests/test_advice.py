@@ -30,13 +30,13 @@ def test_data_bound_run_is_told_to_prefetch_with_the_step_it_would_take():
     advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=0))
     assert advice[0]["setting"] == "prefetch_depth" and advice[0]["value"] == 2
     # The producer (40 ms a batch) runs beside the other 30 ms of the step: 40 ms a step.
-    assert advice[0]["predicted_step_ms"] == pytest.approx(40.0)
+    assert advice[0]["model_step_ms"] == pytest.approx(40.0)
     assert "40 ms of 70 ms" in advice[0]["reason"] and not advice[0]["changes_results"]
     # Already prefetching and still waiting: more producers (workers), as many as the cores allow.
     advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=2, cores_per_rank=4, spare_cores=4))
     # One producer takes 70 ms a batch (40 waited + the 30 it runs beside): 3 workers keep up.
     assert advice[0]["setting"] == "dataloader_num_workers" and advice[0]["value"] == 3
-    assert advice[0]["predicted_step_ms"] == pytest.approx(30.0)
+    assert advice[0]["model_step_ms"] == pytest.approx(30.0)
 
 
 def test_comm_bound_run_gets_results_keeping_changes_first():

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hfstream import StreamPrefetcher
-from hfstream.advice import (CONTENTION_LOSS, MIN_SAVING, DataSide, RunFacts, advise, advise_report,
-                             comm_slowdown, measure_data_side, measured_ready)
+from hfstream.advice import (CALIBRATION, CONTENTION_LOSS, EXPECTED_ERROR, MIN_SAVING, DataSide, RunFacts, advise,
+                             advise_report, comm_slowdown, measure_data_side, measured_ready)
 from hfstream.doctor import doctor
 from hfstream.report_format import format_report
 from hfstream.timeline import StepTimeline
@@ -118,7 +118,7 @@ def test_a_producer_that_slows_the_steps_own_thread_is_told_to_use_worker_proces
     assert advice[0]["setting"] == "dataloader_num_workers", advice
     assert "holds the GIL" in advice[0]["reason"] and "60% CPU while it ran" in advice[0]["reason"]
     # The step's compute lost 40 % of 70 ms; back in a worker process it is 42 ms again.
-    assert advice[0]["predicted_step_ms"] == pytest.approx(80 - 2 - 0.4 * 70, abs=0.2)
+    assert advice[0]["model_step_ms"] == pytest.approx(80 - 2 - 0.4 * 70, abs=0.2)
     # No spare core: no worker processes, and the report says why.
     why: list[str] = []
     advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=2, spare_cores=0, data=side), why)
@@ -164,8 +164,51 @@ def test_a_loaded_machine_is_recorded_and_named_among_the_reasons():
 def test_each_advice_says_its_expected_error_or_that_it_is_not_yet_measured():
     advice = advise(DATA_BOUND, RunFacts(grad_sync=None, prefetch_depth=0))
     assert advice and all("expected_error" in a for a in advice)
+    first = advice[0]
+    assert first["setting"] == "prefetch_depth" and first["expected_error"] == EXPECTED_ERROR["prefetch_depth=2"]
     text = " ".join(format_report(_report(DATA_BOUND, advice=advice)).split())
-    assert "expected error: not yet measured" in text
+    assert f"expected error: {100 * EXPECTED_ERROR['prefetch_depth=2']:.0f} %" in text
+    # A kind the sweep did not measure twice says so.
+    facts = RunFacts(grad_sync="overlap", world_size=2, bucket_mb=float("inf"), plan=_plan(), samples_per_step=4,
+                     wire_element_bytes=2, grad_element_bytes=2)
+    acc = next(a for a in advise(COMM_BOUND, facts) if a["setting"] == "gradient_accumulation_steps")
+    assert acc["expected_error"] is None
+    assert "expected error: not yet measured" in " ".join(format_report(_report(COMM_BOUND, advice=[acc])).split())
+
+
+def test_a_prediction_keeps_only_the_share_of_its_saving_the_sweep_saw_realised():
+    facts = RunFacts(grad_sync="overlap", world_size=2, bucket_mb=float("inf"), plan=_plan(),
+                     wire_element_bytes=2, grad_element_bytes=2)
+    step = COMM_BOUND["step_ms"]
+    a = next(a for a in advise(COMM_BOUND, facts) if a["setting"] == "grad_bucket_mb")
+    share, err = CALIBRATION["grad_bucket_mb/overlap"]
+    assert 0 < share < 1 and a["realised_share"] == share and a["expected_error"] == err
+    assert a["predicted_step_ms"] == round(step - share * (step - a["model_step_ms"]), 1) > a["model_step_ms"]
+    assert a["saving"] == round(1 - a["predicted_step_ms"] / step, 4)
+    # Under sharded the sweep saw none of a bucket cap's predicted saving: not advised, and it says why.
+    ruled = []
+    sharded = RunFacts(**{**facts.__dict__, "grad_sync": "sharded"})
+    assert all(a["setting"] != "grad_bucket_mb" for a in advise(COMM_BOUND, sharded, ruled_out=ruled))
+    assert any(w.startswith("grad_bucket_mb=") and "the sweep saw 0% of such predicted savings" in w for w in ruled)
+    # Uncorrected, the model itself still predicts the saving.
+    raw = RunFacts(**{**sharded.__dict__, "calibration": {}})
+    assert any(a["setting"] == "grad_bucket_mb" for a in advise(COMM_BOUND, raw))
+
+
+def test_stopping_a_gil_holding_prefetch_charges_every_micro_batch_of_the_step():
+    # The producer thread holds the GIL: forward and backward got half the CPU while it ran. Loaded in
+    # the step itself instead, each of the step's micro-batches costs its 10 ms there.
+    data = DataSide("thread", wall_ms=10.0, cpu_ms=10.0, batches=8, share_with=0.5, share_without=1.0)
+    mean = dict(data_wait_ms=1, forward_ms=40, backward_ms=60, optimizer_ms=5, exposed_comm_ms=0,
+                comm_busy_ms=0, step_ms=110)
+    got = {}
+    for accum in (1, 2):
+        facts = RunFacts(grad_sync=None, prefetch_depth=2, gradient_accumulation_steps=accum, data=data,
+                         spare_cores=0, calibration={})   # the model's own figure
+        got[accum] = next(a for a in advise(mean, facts) if a["setting"] == "prefetch_depth")
+    assert got[1]["value"] == got[2]["value"] == 0
+    assert got[2]["model_step_ms"] == pytest.approx(got[1]["model_step_ms"] + 10.0, abs=0.2)
+
 
 
 # -- item 3: a change of the effective batch, in its own unit -------------------------------------
@@ -196,7 +239,8 @@ def test_a_change_of_results_never_comes_before_a_results_keeping_change_that_sa
     # step (accumulating twice the micro-batches saves 15 % per sample): prefetching still comes first.
     mean = dict(COMM_BOUND, data_wait_ms=10)
     facts = RunFacts(grad_sync="overlap", world_size=2, prefetch_depth=0, plan=None, samples_per_step=4,
-                     data=DataSide("step", wall_ms=10.0, cpu_ms=0.5, batches=10))
+                     data=DataSide("step", wall_ms=10.0, cpu_ms=0.5, batches=10),
+                     calibration={})   # the order rule on the model's own figures
     advice = advise(mean, facts)
     assert [a["setting"] for a in advice] == ["prefetch_depth", "gradient_accumulation_steps"], advice
     keep, change = advice
@@ -223,7 +267,7 @@ def test_bucket_readiness_comes_from_the_runs_spans_not_from_the_bytes():
     assert measured_ready(_spans(late), 4) == pytest.approx(late)
     assert measured_ready(_spans(late), 5) is None     # a bucket never seen: not measured
     facts = lambda: RunFacts(grad_sync="overlap", world_size=2, bucket_mb=4.0, plan=_plan(),   # noqa: E731
-                             wire_element_bytes=2, grad_element_bytes=2)
+                             wire_element_bytes=2, grad_element_bytes=2, calibration={})
     measured = advise_report(_report(dict(COMM_BOUND), spans=_spans(late)), facts())
     proportional = advise_report(_report(dict(COMM_BOUND)), facts())
     assert measured["model"]["bucket_ready"] == "measured"

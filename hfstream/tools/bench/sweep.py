@@ -85,7 +85,7 @@ def sweep_runs(count: int = 24, seed: int = 0) -> list[RunSpec]:
     """``count`` runs spread over every dimension: each value of each appears (``count`` >= 4)."""
     rng = random.Random(seed)
     runs = []
-    for i in range(count):
+    for i in range(seed * count, (seed + 1) * count):   # another seed: other runs, numbered on
         # Each dimension cycles with its own period, shuffled once: every value appears, and the
         # combinations differ from run to run.
         collate = COLLATES[i % len(COLLATES)]
@@ -291,6 +291,8 @@ def main(argv=None) -> int:
     p.add_argument("--runs", type=int, default=24, help="how many of the generated runs (default 24, at least 20 "
                                                         "for the issue's sweep)")
     p.add_argument("--steps", type=int, default=12, help="optimizer steps per run (default 12)")
+    p.add_argument("--seed", type=int, default=0, help="which set of runs (default 0; seed N generates runs "
+                                                       "N x runs onwards, for a set held out of a calibration)")
     p.add_argument("--sample", action="store_true", help="the 3-run sample instead (plain loopback, 2 layers)")
     p.add_argument("--json", help="write the rows and the summary here")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -301,7 +303,7 @@ def main(argv=None) -> int:
         spec = RunSpec(**json.loads(ns.worker))
         _train(spec, json.loads(ns.args), ns.out, ns.steps)
         return 0
-    specs = sample_runs() if ns.sample else sweep_runs(ns.runs)
+    specs = sample_runs() if ns.sample else sweep_runs(ns.runs, ns.seed)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for spec in specs:
