@@ -19,6 +19,8 @@ GradSync calls a strategy at these points of a bucket's life, and nowhere else:
     pack(st, stream)            gradients / N into the bucket's buffer (on the side stream, if any)
     launch(st) -> Work          the asynchronous collective
     reduced(st)                 it completed: write the result where the optimizer reads it
+    all_reduced(ok)             every bucket of the step completed (ok) or the wait failed: finish
+                                what needs them all
     close()
 
 What a strategy needs of GradSync comes in one `Wiring`, never through GradSync's attributes.
@@ -99,6 +101,9 @@ class Reduction:
     def reduced(self, st: BucketState) -> None:
         raise NotImplementedError
 
+    def all_reduced(self, ok: bool) -> None:
+        pass
+
     def first_step_unused(self, names: list[str]) -> None:
         """Trainable parameters no gradient reached in the first synchronised step (rank 0's view)."""
 
@@ -140,6 +145,7 @@ class AllReduce(Reduction):
     def __init__(self, wiring: Wiring, serial: bool):
         super().__init__(wiring)
         self.launch_from_hooks = not serial
+        self._flagged: list[BucketState] = []   # completed buckets whose used flags are not read yet
 
     @staticmethod
     def _allocate(st: BucketState) -> None:
@@ -182,10 +188,26 @@ class AllReduce(Reduction):
 
     @torch.no_grad()
     def reduced(self, st: BucketState) -> None:
-        used_anywhere = None
         if not all(st.used):
-            # Only a bucket with a parameter unused here needs the flags on the host (a device sync).
-            used_anywhere = (st.buffer[st.plan.numel:] > 0).tolist()
+            # A bucket with a parameter unused here needs its flags on the host, a device sync:
+            # such buckets wait for all_reduced(), which reads all their flags in one host read a
+            # step (DDP reads its used map once per step too).
+            self._flagged.append(st)
+            return
+        self._write_back(st, None)
+
+    @torch.no_grad()
+    def all_reduced(self, ok: bool) -> None:
+        flagged, self._flagged = self._flagged, []
+        if not ok or not flagged:
+            return
+        flags = torch.cat([st.buffer[st.plan.numel:] > 0 for st in flagged]).tolist()
+        at = 0
+        for st in flagged:
+            self._write_back(st, flags[at:at + len(st.params)])
+            at += len(st.params)
+
+    def _write_back(self, st: BucketState, used_anywhere: list[bool] | None) -> None:
         # Read .grad now, not at launch: zero_grad(set_to_none=...) may have replaced it.
         grads, means = [], []
         for slot, (p, mean) in enumerate(zip(st.params, st.views)):

@@ -389,6 +389,7 @@ class GradSync:
 
         failed, error = faults.wait_in_order(self._states, self.timeout_s,
                                              faults.backend_enforces_timeout(self.process_group), write_back)
+        self.reduction.all_reduced(ok=not failed)
         if failed:
             report = self.pending_report()
             # A collective that did not complete may still read or write its buffer (gloo's thread
