@@ -181,8 +181,10 @@ def test_run_at_its_ceiling_trainer_run_gets_no_advice_worth_ten_percent(tmp_pat
     assert isinstance(report["advice"], list) and step > 0, report
     worth_ten_percent = [a for a in report["advice"] if a["predicted_step_ms"] <= 0.9 * step]
     assert worth_ten_percent == [], report["advice"]
-    # An empty list means "nothing worth it", not "the advisor never ran": the same mean with a
-    # wait as long as the step, loaded in the step, gets advice.
+    # An empty list means "nothing worth it", not "the advisor never ran": it ruled out this run's
+    # candidates, each with its reason (one process: nothing to synchronise) ...
+    assert "communication: one process, nothing to synchronise" in report["ruled_out"], report["ruled_out"]
+    # ... and the same mean with a wait as long as the step, loaded in the step, gets advice.
     waiting = dict(report["mean"], data_wait_ms=step, step_ms=2 * step)
     assert advise(waiting, RunFacts(grad_sync=None, prefetch_depth=0))[0]["setting"] == "prefetch_depth"
 

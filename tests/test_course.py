@@ -117,7 +117,7 @@ def test_untouched_student_notebook_fails_each_check_with_a_hint(lesson):
         assert not e.passed, f"{e.exercise} passes with the stub: its check cannot fail"
         # The check ran: every case reported (a check cell that never ran has one canned message).
         assert "the check cell did not run" not in e.messages, f"{e.exercise}: its check cell never ran"
-        assert e.cases == len(get_exercise(e.exercise).cases) and len(e.messages) == e.cases, (e.exercise, e.messages)
+        assert e.cases == len(get_exercise(e.exercise).cases) > 0 and len(e.messages) == e.cases, (e.exercise, e.messages)
         for message in e.messages:
             assert len(message.split(": ", 1)[-1]) > 20, f"{e.exercise}: no hint in {message!r}"
 

@@ -46,6 +46,7 @@ def test_an_iterable_dataset_on_two_processes_trains_like_stock(tmp_path, run_di
         ref, got = out["stock"], out["stream"]
         assert len(ref["losses"]) == 10
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+        assert ref["params"] and set(got["params"]) == set(ref["params"])   # every parameter compared
         for k, v in ref["params"].items():
             torch.testing.assert_close(got["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
