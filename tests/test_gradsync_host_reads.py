@@ -75,3 +75,36 @@ def test_unused_parameters_in_two_buckets_cost_one_host_read_a_step(run_distribu
     for mine, theirs in zip(r0["side"], r1["side"]):
         for g0, g1 in zip(mine, theirs):
             assert g0.abs().sum() > 0 and torch.equal(g0, g1)
+
+
+def _old_gradient_kept(rank, world_size):
+    """Step 0 runs the side branches on every rank; step 1 on none, with no zero_grad between."""
+    torch.manual_seed(0)
+    model = TwoSideBranches()
+    sync = GradSync(model, bucket_mb=0)
+    try:
+        seen = []
+        for step, sides in enumerate((True, True, False)):
+            if step == 2:
+                before = model.side_a.weight.grad.clone()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x, use_sides=sides).backward()
+            sync.finish()
+            seen.append(model.side_a.weight.grad.clone())
+            if step == 0:
+                model.zero_grad(set_to_none=True)   # step 1 starts fresh; step 2 keeps step 1's gradients
+        return {"before": before, "after": seen[2], "a": model.a.weight.grad.clone()}
+    finally:
+        sync.close()
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_no_rank_used_keeps_its_old_gradient_as_ddp_leaves_it(run_distributed):
+    # Step 1's mean sits in the bucket's buffer as side_a's .grad (a view); in step 2 no rank runs
+    # side_a, so DDP leaves its .grad as it was. Packing must not divide that view in place, nor write
+    # the all-reduced sum of the old gradients over it. Three ranks: on two, old / 2 + old / 2 is old
+    # exactly, and so a pack that divided the view in place would still read right.
+    for r in run_distributed(_old_gradient_kept, 3, timeout=120):
+        assert r["before"].abs().sum() > 0
+        assert torch.equal(r["after"], r["before"]), (r["after"] - r["before"]).abs().max()
+        assert r["a"].abs().sum() > 0
