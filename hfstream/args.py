@@ -155,7 +155,7 @@ class StreamTrainingArguments(TrainingArguments):
                 "rank's own gradient slices only, so ranks could disagree on skipping a step. Use bf16=True (no "
                 "scaler), or grad_sync='overlap' with fp16."
             )
-        if self.grad_sync in ("overlap", "serial", "sharded") and self.uses_sharded_engine():
+        if self.grad_sync in ("overlap", "serial", "sharded") and self.uses_engine_owning_comm():
             raise ValueError(
                 f"grad_sync={self.grad_sync!r} cannot be combined with FSDP, DeepSpeed or tensor parallelism: "
                 "those engines own gradient communication. Use grad_sync='native' (or 'auto')."
@@ -198,7 +198,7 @@ class StreamTrainingArguments(TrainingArguments):
         if not isinstance(self.stream_report, bool):
             raise ValueError(f"stream_report={self.stream_report!r} is not valid; accepted values: True, False")
 
-    def uses_sharded_engine(self) -> bool:
+    def uses_engine_owning_comm(self) -> bool:
         """FSDP, DeepSpeed or tensor parallelism: engines that own gradient communication."""
         pc = getattr(self, "parallelism_config", None)
         tp = bool(pc is not None and getattr(pc, "tp_enabled", False))

@@ -25,7 +25,7 @@ PLAIN_DP = {
 HFSTREAM_MODES = ("overlap", "serial", "sharded")   # the modes in which hfstream reduces the gradients itself
 
 
-def model_is_sharded(model, loaded_distributed: bool) -> bool:
+def model_is_tensor_parallel(model, loaded_distributed: bool) -> bool:
     """A model transformers sharded at load time (tensor parallel): its parameters are DTensors."""
     if loaded_distributed:
         return True
@@ -36,7 +36,7 @@ def model_is_sharded(model, loaded_distributed: bool) -> bool:
     return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
+def resolve_grad_sync(args, accelerator, tensor_parallel_model: bool) -> str:
     """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (said once, see `notice`).
 
     Raises:
@@ -45,10 +45,10 @@ def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
     """
     requested = args.grad_sync
     engine = accelerator.distributed_type
-    plain_dp = engine in PLAIN_DP and not args.uses_sharded_engine() and not sharded_model
+    plain_dp = engine in PLAIN_DP and not args.uses_engine_owning_comm() and not tensor_parallel_model
     if requested in HFSTREAM_MODES and not plain_dp:
         owner = ("the model was sharded at load time (DTensor parameters / from_pretrained(distributed_config=...))"
-                 if sharded_model else f"Accelerate runs {engine}")
+                 if tensor_parallel_model else f"Accelerate runs {engine}")
         raise ValueError(
             f"grad_sync={requested!r} needs plain data parallel, but {owner}: FSDP, DeepSpeed and tensor "
             "parallelism own gradient communication. Use grad_sync='native'.")
@@ -59,7 +59,7 @@ def resolve_grad_sync(args, accelerator, sharded_model: bool) -> str:
                    "`accelerate launch` with several processes", requested)
         return requested
     multi = accelerator.num_processes > 1
-    if multi and (args.uses_sharded_engine() or sharded_model):
+    if multi and (args.uses_engine_owning_comm() or tensor_parallel_model):
         logger.warning("hfstream: grad_sync='auto' falls back to 'native': FSDP/DeepSpeed/tensor parallelism (or a "
                        "model sharded at load time) own gradient communication (prefetching still applies)")
         return "native"

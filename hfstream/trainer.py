@@ -41,7 +41,7 @@ from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
 from .gradsync.eager import ModelHook
 from .sharded_trainer import sharded_reduction
-from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_sharded, resolve_grad_sync
+from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_tensor_parallel, resolve_grad_sync
 from .log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
 from .report_fields import KEYS as REPORT_KEYS
@@ -79,7 +79,7 @@ class StreamTrainerMixin:
                    f"plus hfstream's fields")
             raise TypeError(f"{type(self).__name__} needs hfstream's arguments, got {given.__name__}: {fix}.")
         show_hfstream_logs(self.args.get_process_log_level())
-        self.grad_sync_mode = resolve_grad_sync(self.args, self.accelerator, self._model_is_sharded())
+        self.grad_sync_mode = resolve_grad_sync(self.args, self.accelerator, self._model_is_tensor_parallel())
         self._grad_group = None   # the gradient collectives' process group, once created (NCCL only)
         self.grad_sync = None                    # a GradSync once training prepared the model
         self._prefetcher = None
@@ -110,7 +110,7 @@ class StreamTrainerMixin:
         self._gradient_reads = None                 # the first step's watch, while it runs
         from .sharded_trainer import CallbackGuard
 
-        CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._optimizer_sharded else None,
+        CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._zero1_optimizer else None,
                       self._note).install()
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
@@ -161,15 +161,15 @@ class StreamTrainerMixin:
             self.grad_sync.close()
 
     # -- configuration ---------------------------------------------------------------------------
-    def _model_is_sharded(self) -> bool:
-        return model_is_sharded(self.model, getattr(self, "is_distributed_loading_by_transformers", False))
+    def _model_is_tensor_parallel(self) -> bool:
+        return model_is_tensor_parallel(self.model, getattr(self, "is_distributed_loading_by_transformers", False))
 
     @property
     def _hfstream_sync(self) -> bool:
         return self.grad_sync_mode in HFSTREAM_MODES
 
     @property
-    def _optimizer_sharded(self) -> bool:
+    def _zero1_optimizer(self) -> bool:
         """grad_sync="sharded" on several processes: each rank's optimizer holds its slices only."""
         return self.grad_sync is not None and self.grad_sync.mode == "sharded" and self.grad_sync.world_size > 1
 
@@ -362,7 +362,7 @@ class StreamTrainerMixin:
             sync.require_backward_grad_sync = syncs
             sync.after_backward = self._backward_ended if syncs else None
             self._backwards, self._whole_in_window = 0, whole
-            if self._optimizer_sharded:
+            if self._zero1_optimizer:
                 sharded_reduction(sync).accumulate = False
         if timeline is not None:
             timeline.forward_start()
@@ -398,7 +398,7 @@ class StreamTrainerMixin:
         for note in sync.notes:
             self._note(note)
         self._backwards += 1
-        if self._optimizer_sharded:
+        if self._zero1_optimizer:
             if self._whole_in_window:
                 sharded_reduction(sync).gather_gradients()   # the mean, whole, in .grad: a further backward adds to it
                 if self._gradient_reads is not None:
@@ -415,7 +415,7 @@ class StreamTrainerMixin:
         Watched in the first step (`GradientReads`): kept only if the step reads or changes
         .grad, or runs several backwards; said once.
         """
-        return self._optimizer_sharded and self._user_training_step is not None and self._reads_gradients is not False
+        return self._zero1_optimizer and self._user_training_step is not None and self._reads_gradients is not False
 
     def _run_step_watched(self, run, model, inputs, *args, **kwargs):
         """``run``; under sharded, current parameters for user code that reads them before the forward.
@@ -428,7 +428,7 @@ class StreamTrainerMixin:
         from .sharded_trainer import GradientReads, PreForwardReads, overrides_compute_loss
 
         user = self._user_training_step or ("compute_loss" if overrides_compute_loss(self) else None)
-        if not self._optimizer_sharded or user is None:
+        if not self._zero1_optimizer or user is None:
             return run(self, model, inputs, *args, **kwargs)
         watch_params = self._reads_before_forward is None and not self.args.torch_compile
         watch_grads = self._whole_in_window and self._reads_gradients is None   # the first synchronising step
@@ -463,18 +463,18 @@ class StreamTrainerMixin:
         return loss
 
     def _clip_grad_norm(self, model):
-        if self._optimizer_sharded:   # the norm of the whole mean gradient, from every rank's slices
+        if self._zero1_optimizer:   # the norm of the whole mean gradient, from every rank's slices
             return self.grad_sync.clip_grad_norm_(self.args.max_grad_norm)
         return super()._clip_grad_norm(model)
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None and self._optimizer_sharded:   # max_grad_norm=0: the norm, unclipped
+        if grad_norm is None and self._zero1_optimizer:   # max_grad_norm=0: the norm, unclipped
             grad_norm = self.grad_sync.clip_grad_norm_(float("inf"))
         return super()._get_grad_norm(model, grad_norm=grad_norm)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """grad_sync="sharded": the stock ``optimizer.pt``, gathered whole from every rank's slices."""
-        if not self._optimizer_sharded:
+        if not self._zero1_optimizer:
             return super()._save_optimizer_and_scheduler(output_dir)
         from .sharded_trainer import save_optimizer
 
@@ -487,7 +487,7 @@ class StreamTrainerMixin:
         if self._timeline is not None:
             self._timeline.end_step()
         self._watch(f"after step {self.state.global_step} (logging, evaluation or saving a checkpoint)")
-        if self._optimizer_sharded and (self.control.should_evaluate or self.control.should_save):
+        if self._zero1_optimizer and (self.control.should_evaluate or self.control.should_save):
             # The step's all-gathers would otherwise wait for the next forward (sharded mode).
             self.grad_sync.wait_for_params()
         return super()._maybe_log_save_evaluate(*args, **kwargs)

@@ -29,8 +29,8 @@ def said(monkeypatch, caplog):
     root.removeHandler(caplog.handler)
 
 
-def _args(grad_sync, sharded_engine=False):
-    return types.SimpleNamespace(grad_sync=grad_sync, n_gpu=0, uses_sharded_engine=lambda: sharded_engine)
+def _args(grad_sync, engine_owns_comm=False):
+    return types.SimpleNamespace(grad_sync=grad_sync, n_gpu=0, uses_engine_owning_comm=lambda: engine_owns_comm)
 
 
 def _accelerator(processes):

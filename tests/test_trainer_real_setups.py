@@ -205,7 +205,7 @@ def test_a_model_sharded_at_load_time_is_left_to_native(tmp_path):
     model._is_distributed_loading_by_transformers = True     # what from_pretrained(distributed_config=...) sets
     trainer = StreamTrainer(model=model, train_dataset=lm_dataset(),
                             args=train_args(StreamTrainingArguments, tmp_path, max_steps=2))
-    assert trainer._model_is_sharded()
+    assert trainer._model_is_tensor_parallel()
     with pytest.raises(ValueError, match="grad_sync='native'"):
         StreamTrainer(model=model, train_dataset=lm_dataset(),
                       args=train_args(StreamTrainingArguments, tmp_path, max_steps=2, grad_sync="overlap"))
