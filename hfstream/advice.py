@@ -663,7 +663,9 @@ def _data_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
             f"with prefetching the step still waited {_say(wait)} of {_say(step)}{seen}: one producer takes about "
             f"{_say(produce)} per batch; {workers} workers ({cores_said}) would leave {_say(left)}", step))
     else:
-        why.append(f"dataloader_num_workers: {have} worker(s) already use the {facts.cores_per_rank} core(s) per rank")
+        why.append(f"dataloader_num_workers: {have} producer(s) already use the {cores} core(s) per rank there "
+                   f"are for them ({spare}; {facts.cores_per_rank} per rank in all)" if kind != "waits" else
+                   f"dataloader_num_workers: {have} worker(s) already keep up with the step")
     return out
 
 

@@ -1,0 +1,152 @@
+"""The advice model's small parts, each on a case worked by hand.
+
+Written against the survivors of a mutation run over `hfstream/advice.py` (docs/design.md,
+"Mutation testing"): the readiness curve between its points, a producer's CPU share below 1 ms a
+batch, the step thread's evidence, backward's slow-down under communication, sharded under
+accumulation, the ruled-out reasons of the workers advice, a bucket advice's value, and the
+facts read from a trainer.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import types
+
+import pytest
+import torch
+
+from hfstream.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _Parts, _ready, advise,
+                             facts_from_trainer)
+
+
+def test_readiness_is_interpolated_between_the_measured_points():
+    # Points (share of the bytes, fraction of backward): a quarter of the bytes ready at half of
+    # backward, all at the end. Two equal buckets: the first ends at half the bytes.
+    curve = [(0.25, 0.5), (1.0, 1.0)]
+    assert _ready([1.0, 1.0], curve) == pytest.approx([0.5 + 0.5 * (0.25 / 0.75), 1.0])
+    # Before the first point: from (0, 0).
+    assert _ready([1.0, 9.0], [(0.5, 0.8), (1.0, 1.0)]) == pytest.approx([0.16, 1.0])
+    assert _ready([1.0, 3.0]) == pytest.approx([0.25, 1.0])   # no curve: in proportion to the bytes
+
+
+def test_a_producer_faster_than_a_millisecond_still_has_a_cpu_share():
+    assert DataSide("thread", wall_ms=0.5, cpu_ms=0.2, batches=4).cpu_share == pytest.approx(0.4)
+    assert math.isnan(DataSide("thread", wall_ms=0.0, cpu_ms=0.0, batches=4).cpu_share)
+
+
+def test_the_step_threads_share_is_evidence_only_for_a_producer_thread():
+    on_thread = DataSide("thread", wall_ms=10, cpu_ms=9, batches=4, share_with=0.6, share_without=0.95)
+    assert "own thread got 60% CPU while it ran, 95% while it did not" in on_thread.evidence()
+    in_step = DataSide("step", wall_ms=10, cpu_ms=9, batches=4, share_with=0.6)
+    assert "own thread" not in in_step.evidence()
+    unmeasured = DataSide("thread", wall_ms=10, cpu_ms=9, batches=4)
+    assert "own thread" not in unmeasured.evidence()
+
+
+def _link_parts(mean, facts, buckets):
+    parts = _Parts(mean["data_wait_ms"], mean["forward_ms"], mean["backward_ms"], mean["optimizer_ms"],
+                   mean["exposed_comm_ms"], mean["comm_busy_ms"], mean["step_ms"])
+    return _Link(facts, parts, buckets), parts
+
+
+MEAN = dict(data_wait_ms=0, forward_ms=30, backward_ms=60, optimizer_ms=6, exposed_comm_ms=20,
+            comm_busy_ms=50, step_ms=116)
+BUCKETS = [4 * 2**20] * 4
+
+
+def test_backwards_slowdown_under_communication_lengthens_an_overlapped_prediction():
+    plain = RunFacts(grad_sync="overlap", world_size=2)
+    slowed = RunFacts(grad_sync="overlap", world_size=2, comm_slowdown=0.5)
+    link, parts = _link_parts(MEAN, plain, BUCKETS)
+    # The run hid 30 of its 50 ms: with 0.5 ms of backward per ms in flight, backward alone is 45 ms,
+    # and the candidate's collectives in flight in it add half of their time inside it back.
+    fast = _comm_step("overlap", BUCKETS, link, parts, plain, 6)
+    slow = _comm_step("overlap", BUCKETS, link, parts, slowed, 6)
+    assert slow != pytest.approx(fast)
+    # Serial runs nothing during backward: the slow-down does not apply.
+    assert _comm_step("serial", BUCKETS, link, parts, slowed, 6) == pytest.approx(
+        _comm_step("serial", BUCKETS, link, parts, plain, 6))
+
+
+def test_sharded_under_accumulation_adds_the_earlier_micro_steps_compute():
+    one = RunFacts(grad_sync="sharded", world_size=2, gradient_accumulation_steps=1)
+    two = RunFacts(grad_sync="sharded", world_size=2, gradient_accumulation_steps=2)
+    link, parts = _link_parts(MEAN, one, BUCKETS)
+    # Two micro-steps of 15 + 30 ms: the first is plain compute, the last the one-micro-step schedule.
+    half = dict(MEAN, forward_ms=15, backward_ms=30)
+    link_h, parts_h = _link_parts(half, one, BUCKETS)
+    assert _comm_step("sharded", BUCKETS, link, parts, two, 6) == pytest.approx(
+        15 + 30 + _comm_step("sharded", BUCKETS, link_h, parts_h, one, 6))
+
+
+STILL_WAITING = dict(data_wait_ms=20, forward_ms=10, backward_ms=15, optimizer_ms=5, exposed_comm_ms=0,
+                     comm_busy_ms=float("nan"), step_ms=50)
+
+
+def test_a_prefetched_producer_faster_than_the_step_is_ruled_out_as_the_hand_over():
+    why = []
+    fast = DataSide("thread", wall_ms=5.0, cpu_ms=4.5, batches=6)
+    assert advise(STILL_WAITING, RunFacts(grad_sync=None, prefetch_depth=2, spare_cores=2, cores_per_rank=4,
+                                          data=fast), why) == []
+    assert any(w.startswith("dataloader_num_workers: the producer takes 5.0 ms per batch") and "hand-over" in w
+               for w in why), why
+
+
+@pytest.mark.parametrize("spare, said", [(0.0, "no spare core"), (1.5, "already use the 1 core(s) per rank there "
+                                          "are for them"), (2.0, None), (2.5, None)])
+def test_a_computing_producer_gets_workers_only_with_two_spare_cores(spare, said):
+    # One worker would be no more producers than the prefetch thread already is: two need two cores.
+    why = []
+    slow = DataSide("thread", wall_ms=60.0, cpu_ms=58.0, batches=6)   # computes, slower than the step
+    advice = advise(STILL_WAITING, RunFacts(grad_sync=None, prefetch_depth=2, spare_cores=spare, cores_per_rank=4,
+                                            data=slow, calibration={}), why)
+    workers = [a for a in advice if a["setting"] == "dataloader_num_workers"]
+    if said is None:
+        assert workers and workers[0]["value"] == 2, (advice, why)
+    else:
+        assert not workers and any(w.startswith("dataloader_num_workers") and said in w for w in why), why
+
+
+def test_a_bucket_advice_names_a_candidate_cap():
+    mean = dict(data_wait_ms=1, forward_ms=70, backward_ms=115, optimizer_ms=29, exposed_comm_ms=234,
+                comm_busy_ms=234, step_ms=455)
+    plan = lambda cap: [28_000_000] if cap >= 64 else [int(cap * 2**20)] * max(1, int(28_000_000 / (cap * 2**20)))  # noqa: E731
+    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=64.0, plan=plan))
+    caps = [a for a in advice if a["setting"] == "grad_bucket_mb"]
+    assert caps and caps[0]["value"] in BUCKET_CANDIDATES_MB and caps[0]["value"] != 64.0, advice
+
+
+class _FakeSync:
+    world_size = 2
+    comm_dtype = None
+    bucket_mb = 4.0
+    process_group = None   # dist.get_backend fails without a group: the default guess
+
+    def __init__(self, dtype):
+        self.hooked_parameters = [("w", torch.zeros(3, dtype=dtype)), ("b", torch.zeros(3, dtype=dtype))]
+
+    def plan_for(self, cap):
+        return [types.SimpleNamespace(nbytes=int(cap * 2**20))] * 2
+
+
+def _trainer(accelerator, dtype=torch.bfloat16):
+    args = types.SimpleNamespace(device="cpu", prefetch_depth=2, dataloader_num_workers=0,
+                                 gradient_accumulation_steps=2, grad_bucket_mb=4.0, per_device_train_batch_size=8)
+    return types.SimpleNamespace(args=args, grad_sync=_FakeSync(dtype), accelerator=accelerator,
+                                 grad_sync_mode="overlap", _timeline=None, _prefetcher=None)
+
+
+def test_the_facts_of_a_trainer_are_read_from_its_sync_args_and_node(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    facts = facts_from_trainer(_trainer(types.SimpleNamespace(num_processes=2)))
+    assert (facts.grad_sync, facts.world_size) == ("overlap", 2)
+    assert facts.grad_element_bytes == facts.wire_element_bytes == 2   # bf16 gradients, no comm_dtype
+    assert facts.bucket_mb == 4.0 and facts.plan(1.0) == [2**20, 2**20] and facts.backend == "gloo"
+    assert facts.samples_per_step == 16                                  # 8 a micro-batch, 2 micro-batches
+    cores = os.cpu_count() or 1
+    assert facts.spare_cores == pytest.approx((cores - 2 * torch.get_num_threads()) / 2)
+    assert facts.cores_per_rank == max(1, cores // 2)
+    # An accelerator that does not say how many processes: one, and nothing to synchronise.
+    alone = facts_from_trainer(_trainer(types.SimpleNamespace()))
+    assert (alone.grad_sync, alone.world_size) == (None, 1)
