@@ -16,8 +16,8 @@ import types
 import pytest
 import torch
 
-from hfstream.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _Parts, _ready, advise,
-                             facts_from_trainer)
+from hfstream.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _overlap_schedule, _Parts,
+                             _ready, advise, facts_from_trainer)
 
 
 def test_readiness_is_interpolated_between_the_measured_points():
@@ -61,9 +61,13 @@ def test_backwards_slowdown_under_communication_lengthens_an_overlapped_predicti
     link, parts = _link_parts(MEAN, plain, BUCKETS)
     # The run hid 30 of its 50 ms: with 0.5 ms of backward per ms in flight, backward alone is 45 ms,
     # and the candidate's collectives in flight in it add half of their time inside it back.
-    fast = _comm_step("overlap", BUCKETS, link, parts, plain, 6)
-    slow = _comm_step("overlap", BUCKETS, link, parts, slowed, 6)
-    assert slow != pytest.approx(fast)
+    base = 60 - 0.5 * (50 - 20)
+    _, inside = _overlap_schedule([link.allreduce(b) for b in BUCKETS], _ready(BUCKETS), base)
+    assert 0 < inside <= base
+    stretched = dict(MEAN, backward_ms=base + 0.5 * inside)   # that backward, with no slow-down modelled
+    link_s, parts_s = _link_parts(stretched, plain, BUCKETS)
+    assert _comm_step("overlap", BUCKETS, link, parts, slowed, 6) == pytest.approx(
+        _comm_step("overlap", BUCKETS, link_s, parts_s, plain, 6))
     # Serial runs nothing during backward: the slow-down does not apply.
     assert _comm_step("serial", BUCKETS, link, parts, slowed, 6) == pytest.approx(
         _comm_step("serial", BUCKETS, link, parts, plain, 6))
