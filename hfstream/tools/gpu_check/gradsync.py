@@ -6,8 +6,8 @@ and the host never waits for the device while forward, backward and the launches
 What synchronises in a GradSync step (read from ``gradsync/sync.py`` and torch's gloo backend):
 the gradient hooks and ``_launch`` only enqueue work (pack on the side stream, events,
 ``all_reduce(async_op=True)``); the "used" flags go to the device from pinned memory without
-blocking (``reduction.write_used_flags``) and come back with a ``.tolist()`` in ``reduced``, but
-only for a bucket with a parameter unused on this rank (none here); ``finish()`` waits on the host for each bucket's
+blocking (``reduction.write_used_flags``) and come back with one ``.tolist()`` a step in
+``all_reduced``, only where a bucket has a parameter unused on this rank (none here); ``finish()`` waits on the host for each bucket's
 ``Work`` (by design); reading ``GradSync.stats`` waits for its timing events (by design: the
 Trainer reads them a step later). On CUDA tensors gloo's ``run()``, on its own worker thread,
 calls ``cudaStreamSynchronize`` on its device-to-host copy before reducing on the host.
@@ -171,11 +171,27 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
     """Sharded mode's bucket-by-bucket step (each gather launched as its slice is stepped): the
     parameters of one process stepping the mean gradient with the unsharded optimizer (the truth),
     the same as the one-call step (a closure makes it one call: another code path, so equal to the
-    bit), and no host sync in the step."""
+    bit), no host sync in the step, and its effect: when the optimizer steps the last bucket's
+    pieces, the buckets stepped before have their all-gathers in flight (``params_pending``), where
+    the one-call step has one call and none."""
     import torch
     import torch.distributed as dist
 
     from hfstream import GradSync
+
+    class RecordingAdamW(torch.optim.AdamW):
+        """AdamW that notes, per call of its step, how many all-gathers are in flight."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.sync, self.calls = None, []
+
+        def step(self, closure=None):
+            self.calls.append(len(self.sync.params_pending))
+            raw = torch.optim.AdamW.step
+            if getattr(raw, "hooked", False):   # patched by torch: the step without its hooks
+                raw = raw.__wrapped__
+            return raw(self, closure)
 
     def batch(step: int, r: int):
         g = torch.Generator().manual_seed(7919 * step + r)
@@ -201,12 +217,15 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
         torch.manual_seed(0)
         model = mlp(size["width"], size["layers"]).to(dev)
         sync = GradSync(model, bucket_mb=size["bucket_mb"], mode="sharded", timeout=60)
-        opt = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
-        syncs = []
+        inner = RecordingAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+        inner.sync = sync
+        opt = sync.shard_optimizer(inner)
+        syncs, calls = [], []
         for step in range(size["steps"]):
             mse(model, *batch(step, rank)).backward()
             sync.finish()
             sync.clip_grad_norm_(CLIP)
+            inner.calls = []
             if record and step == size["steps"] - 1 and cuda:
                 with SyncRecorder() as rec:
                     rec.phase("step")
@@ -216,15 +235,25 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
                 opt.step(lambda: None)   # with a closure the step runs in one call, the gathers after it
             else:
                 opt.step()
+            calls.append(inner.calls)
             opt.zero_grad(set_to_none=True)
         sync.wait_for_params()
         params = [p.detach().clone() for p in model.parameters()]
         buckets = len(sync.buckets)
         sync.close()
-        return params, buckets, syncs
+        return params, buckets, syncs, calls
 
-    piecewise, buckets, syncs = run(one_call=False, record=True)
-    whole, _, _ = run(one_call=True, record=False)
+    piecewise, buckets, syncs, calls = run(one_call=False, record=True)
+    whole, _, _, whole_calls = run(one_call=True, record=False)
+    # After the first step (its re-plan in the arrival order), the step in several calls (bucket by
+    # bucket), the last with the gathers of the buckets before it in flight; the one-call step: one
+    # call, nothing yet in flight.
+    later = calls[1:]
+    checks.compare("sharded: all-gathers in flight while the step's last bucket is stepped", len(later), "steps",
+                   bool(later) and all(len(c) >= 2 and c[-1] >= 1 for c in later),
+                   f"gathers in flight at each per-bucket step call: {later}")
+    checks.add("control: the one-call step (a closure) steps in one call, no gather in flight yet",
+               all(c == [0] for c in whole_calls[1:]) and len(whole_calls) > 1, f"{whole_calls}")
     truth = reference()
     ref_diff = compare_tensors(checks, "sharded: the bucket-by-bucket step's parameters equal the single-process "
                                "mean's (AdamW, clipping)", piecewise, truth, 1e-6, "parameter tensors")
