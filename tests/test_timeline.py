@@ -357,3 +357,23 @@ def test_design_doc_names_every_field_of_the_report():
     section = doc[doc.index("## 4. "):doc.index("## 5. ")]
     for f in FIELDS:
         assert f"| `{f.key}` | {f.label} |" in section, f.key
+
+
+def test_a_step_under_a_millisecond_has_an_efficiency():
+    from hfstream.timeline import StepRecord
+
+    fast = StepRecord(step=0, data_wait_ms=0.0, forward_ms=0.2, backward_ms=0.3, comm_busy_ms=0.1,
+                      exposed_comm_ms=0.0, optimizer_ms=0.1, step_ms=0.8)
+    assert fast.efficiency == pytest.approx(0.6 / 0.8)
+    assert math.isnan(StepRecord(0, 0.0, 0.0, 0.0, math.nan, 0.0, 0.0, 0.0).efficiency)
+
+
+def test_a_steps_communication_adds_up_over_the_stats_it_is_given():
+    from hfstream.timeline import _add_comm, _PendingStep
+
+    p = _PendingStep(step=3)
+    _add_comm(p, 4.0, 1.0, [(0, 0.0, 0.004)], math.nan, math.nan, ())
+    _add_comm(p, 2.5, 0.5, [(1, 0.004, 0.0065)], 1.5, 0.25, [(0, 0.0, 0.0015)])
+    assert (p.comm_busy_ms, p.exposed_comm_ms) == (6.5, 1.5)   # NaN where not measured, until a number comes
+    assert (p.all_gather_busy_ms, p.all_gather_exposed_ms) == (1.5, 0.25)
+    assert [name for name, *_ in p.comm_spans] == ["bucket 0", "bucket 1", "gather 0"]
