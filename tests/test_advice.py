@@ -8,6 +8,7 @@ run already at its ceiling; plus the model by hand, the report on disk and `hfst
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -110,7 +111,17 @@ def one_compute_thread():
 def test_data_bound_trainer_run_advises_prefetch_and_doctor_prints_it(tmp_path, capsys, one_compute_thread):
     args = train_args(StreamTrainingArguments, tmp_path / "run", max_steps=12, prefetch_depth=0)
     trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(), data_collator=SlowCollate(20))
-    trainer.train()
+    said = []
+    catch = logging.Handler()
+    catch.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("hfstream").addHandler(catch)   # hfstream's logs do not propagate to the root
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("hfstream").removeHandler(catch)
+    # The run itself says its first advice, and where the report is, at the end of train().
+    advice_said = [m for m in said if "set prefetch_depth=2" in m]
+    assert advice_said and "(report: " in advice_said[0] and "stream_report.json" in advice_said[0], said
     report = trainer.stream_report()
     first = report["advice"][0]
     assert first["setting"] == "prefetch_depth", report["advice"]

@@ -102,3 +102,21 @@ def test_gradsync_timeout_must_be_positive_seconds(bad):
 
     with pytest.raises(ValueError, match="timeout="):
         GradSync(torch.nn.Linear(2, 2), timeout=bad)
+
+
+def test_evaluation_during_training_is_a_phase_the_watchdog_names(tmp_path):
+    # The watchdog runs on several processes only; here its phases are recorded where the trainer
+    # tells it, with a watchdog in place as the first multi-process phase would have started it.
+    from hfstream import StreamTrainer, StreamTrainingArguments
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    args = train_args(StreamTrainingArguments, tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1)
+    trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(), eval_dataset=lm_dataset(8))
+    phases = []
+    trainer._watch = phases.append
+    trainer._watchdog = type("Watchdog", (), {"close": lambda self: None})()
+    trainer.train()
+    evaluating = [p for p in phases if p.startswith("evaluating during training")]
+    assert evaluating and evaluating[0] == "evaluating during training, after step 1", phases
+    trainer.evaluate()   # after train(): not a phase of training
+    assert len([p for p in phases if p.startswith("evaluating")]) == len(evaluating)
