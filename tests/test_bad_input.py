@@ -71,6 +71,20 @@ def test_a_missing_checkpoint_directory_names_the_argument(tmp_path):
         check_checkpoint(tmp_path / "nope")
 
 
+@pytest.mark.parametrize("resume", ["path", True])
+def test_train_checks_the_checkpoint_it_resumes_from_before_loading_it(tmp_path, resume):
+    from hfstream import StreamTrainer, StreamTrainingArguments
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    args = train_args(StreamTrainingArguments, tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(16)).train()
+    _truncate(tmp_path / "checkpoint-2" / "model.safetensors")
+    args = train_args(StreamTrainingArguments, tmp_path, max_steps=4, save_strategy="no")
+    trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(16))
+    with pytest.raises(CheckpointError, match="damaged: model.safetensors"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2") if resume == "path" else True)
+
+
 @pytest.mark.slow   # one rank's truncated checkpoint is refused in make test (check_checkpoint's tests)
 @pytest.mark.multiprocess
 def test_resuming_two_ranks_from_a_truncated_checkpoint_fails_fast_on_both(tmp_path):
