@@ -116,6 +116,8 @@ def test_evaluation_during_training_is_a_phase_the_watchdog_names(tmp_path):
     trainer._watch = phases.append
     trainer._watchdog = type("Watchdog", (), {"close": lambda self: None})()
     trainer.train()
+    loading = [p for p in phases if p.startswith("loading the batches of step")]
+    assert [p.split(" (")[0] for p in loading] == ["loading the batches of step 1", "loading the batches of step 2"]
     evaluating = [p for p in phases if p.startswith("evaluating during training")]
     assert evaluating and evaluating[0] == "evaluating during training, after step 1", phases
     trainer.evaluate()   # after train(): not a phase of training
