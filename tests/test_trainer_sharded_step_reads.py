@@ -1,0 +1,62 @@
+"""Under grad_sync="sharded", a training_step of the user's keeps the slices-only step unless it reads .grad.
+
+The first synchronising step of a user's ``training_step`` is watched (`GradientReads`): one that
+reads or changes ``.grad``, or runs several backwards, gets the whole mean gradient in ``.grad``
+in every step (an all-gather of the gradients per backward, said once); one that does not keeps
+the sharded step's own path, each rank holding only its slices. Both train the same. The effect
+held here is the choice: a step that reads nothing must not pay for the gather (what it costs
+is not seen in the values), and one that reads must be told; and a step that reads no parameter
+before its forward starts with the previous step's all-gathers still in flight.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfstream import StreamTrainer, StreamTrainingArguments
+from tiny import lm_dataset, params, tiny_causal_lm, train_args
+
+pytestmark = pytest.mark.multiprocess
+
+
+class PlainStep(StreamTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # The previous step's all-gathers, still in flight as the step begins: the forward waits for
+        # them layer by layer, not the step for all of them before it.
+        self.pending = getattr(self, "pending", [])
+        self.pending.append(len(self.grad_sync.params_pending))
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class ReadsGrad(StreamTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.seen = getattr(self, "seen", [])
+        self.seen.append(float(sum(p.grad.float().pow(2).sum() for p in model.parameters() if p.grad is not None)))
+        return loss
+
+
+def _two_steps(rank, world_size, tmp):
+    out = {}
+    for cls in (PlainStep, ReadsGrad):
+        trainer = cls(model=tiny_causal_lm("gpt2", seed=rank), train_dataset=lm_dataset(),
+                      args=train_args(StreamTrainingArguments, f"{tmp}/{cls.__name__}", max_steps=4,
+                                      grad_sync="sharded", prefetch_depth=0))
+        trainer.train()
+        out[cls.__name__] = dict(reads=trainer._reads_gradients, notes=list(trainer._notes),
+                                 params=params(trainer.model), seen=getattr(trainer, "seen", []),
+                                 pending=getattr(trainer, "pending", []))
+    return out
+
+
+def test_a_user_step_keeps_the_sliced_gradients_unless_it_reads_them(tmp_path, run_distributed):
+    for out in run_distributed(_two_steps, 2, str(tmp_path), init_process_group=False, timeout=300):
+        plain, reads = out["PlainStep"], out["ReadsGrad"]
+        told = "reads or changes .grad inside the step"
+        assert plain["reads"] is False and not any(told in n for n in plain["notes"]), plain["notes"]
+        assert len(plain["pending"]) == 4 and all(n > 0 for n in plain["pending"][1:]), plain["pending"]
+        assert reads["reads"] is True and sum(told in n for n in reads["notes"]) == 1, reads["notes"]
+        assert len(reads["seen"]) == 4 and all(s > 0 for s in reads["seen"])   # whole mean gradients, every step
+        for k, v in plain["params"].items():
+            torch.testing.assert_close(reads["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
