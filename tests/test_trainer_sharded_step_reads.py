@@ -38,15 +38,26 @@ class ReadsGrad(StreamTrainer):
 
 
 def _two_steps(rank, world_size, tmp):
+    from hfstream.gradsync.sharded import ShardedReduction
+
+    gathers = [0]
+    real = ShardedReduction.gather_gradients
+
+    def counted(self):
+        gathers[0] += 1
+        return real(self)
+
+    ShardedReduction.gather_gradients = counted   # this rank's process only
     out = {}
     for cls in (PlainStep, ReadsGrad):
+        gathers[0] = 0
         trainer = cls(model=tiny_causal_lm("gpt2", seed=rank), train_dataset=lm_dataset(),
                       args=train_args(StreamTrainingArguments, f"{tmp}/{cls.__name__}", max_steps=4,
                                       grad_sync="sharded", prefetch_depth=0))
         trainer.train()
         out[cls.__name__] = dict(reads=trainer._reads_gradients, notes=list(trainer._notes),
                                  params=params(trainer.model), seen=getattr(trainer, "seen", []),
-                                 pending=getattr(trainer, "pending", []))
+                                 pending=getattr(trainer, "pending", []), gathers=gathers[0])
     return out
 
 
@@ -58,5 +69,8 @@ def test_a_user_step_keeps_the_sliced_gradients_unless_it_reads_them(tmp_path, r
         assert len(plain["pending"]) == 4 and all(n > 0 for n in plain["pending"][1:]), plain["pending"]
         assert reads["reads"] is True and sum(told in n for n in reads["notes"]) == 1, reads["notes"]
         assert len(reads["seen"]) == 4 and all(s > 0 for s in reads["seen"])   # whole mean gradients, every step
+        # One gather of the gradients per backward where they are read (4 steps), only the watched
+        # first step's where they are not.
+        assert (plain["gathers"], reads["gathers"]) == (1, 4)
         for k, v in plain["params"].items():
             torch.testing.assert_close(reads["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
