@@ -1,0 +1,64 @@
+"""Sharded mode's parameter waits: a gather a peer never joins fails within GradSync's timeout, named;
+and the last bucket stays small (a short tail of reduce-scatter after backward)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hfstream.gradsync import GradSync
+
+
+def _peer_never_steps(rank, world_size, flag):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+    sync = GradSync(model, mode="sharded", bucket_mb=0, timeout=3)
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.randn(4, 16)).sum().backward()
+    sync.finish()
+    if rank == 1:   # alive, but never steps (its slices never go out) until rank 0 is done waiting
+        end = time.monotonic() + 60
+        while not os.path.exists(flag) and time.monotonic() < end:
+            time.sleep(0.05)
+        return None
+    opt.step()
+    t0 = time.monotonic()
+    try:
+        sync.wait_for_params()
+        return "wait_for_params() returned", time.monotonic() - t0
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - t0
+    finally:
+        open(flag, "w").close()
+
+
+@pytest.mark.multiprocess
+def test_a_gather_no_peer_joins_fails_within_the_timeout_naming_the_bucket(run_distributed, tmp_path):
+    (message, waited), _ = run_distributed(_peer_never_steps, 2, str(tmp_path / "done"), timeout=120,
+                                           pg_timeout_s=60)
+    assert "the all-gather of bucket" in message and "(parameters 0.weight" in message, message
+    assert "did not complete" in message and "did not call optimizer.step()" in message, message
+    # GradSync's own 3 s, not the process group's 60 s (the peer waits until this rank gave up).
+    assert 2.5 < waited < 30, (message, waited)
+
+
+def _bucket_bytes(rank, world_size):
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(24)])   # 24 layers of 0.25 MiB: 6 MiB
+    sync = GradSync(model, mode="sharded", bucket_mb=4.0)
+    try:
+        return [b.nbytes for b in sync.buckets]
+    finally:
+        sync.close()
+
+
+@pytest.mark.multiprocess
+def test_the_sharded_last_bucket_is_at_most_a_mebibyte(run_distributed):
+    # Buckets of 4 MiB, but the one backward fills last, whose reduce-scatter is what is left after
+    # backward, holds at most 1 MiB: a short tail (DDP's small first bucket, at the other end).
+    sizes, _ = run_distributed(_bucket_bytes, 2, timeout=60)
+    small = [b for b in sizes if b <= 2**20 + 4096]
+    assert max(sizes) > 2 * 2**20 and sizes[-1] <= 2**20 + 4096 and len(small) >= 3, sizes
