@@ -74,3 +74,30 @@ def test_a_user_step_keeps_the_sliced_gradients_unless_it_reads_them(tmp_path, r
         assert (plain["gathers"], reads["gathers"]) == (1, 4)
         for k, v in plain["params"].items():
             torch.testing.assert_close(reads["params"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
+class HalvesGrad(StreamTrainer):
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(0.5)   # gradient surgery: the optimizer must step what the step left in .grad
+        return loss
+
+
+def _halved(rank, world_size, tmp):
+    out = {}
+    for cls, lr in ((HalvesGrad, 0.1), (PlainStep, 0.05)):
+        trainer = cls(model=tiny_causal_lm("gpt2", seed=rank), train_dataset=lm_dataset(),
+                      args=train_args(StreamTrainingArguments, f"{tmp}/{cls.__name__}", max_steps=4, optim="sgd",
+                                      learning_rate=lr, max_grad_norm=0.0, grad_sync="sharded", prefetch_depth=0))
+        trainer.train()
+        out[cls.__name__] = params(trainer.model)
+    return out
+
+
+def test_a_user_step_that_changes_grad_is_stepped_with_what_it_left(tmp_path, run_distributed):
+    # Plain SGD: half the gradient at lr 0.1 is the whole one at lr 0.05, to the bit (a power of 2).
+    for out in run_distributed(_halved, 2, str(tmp_path), init_process_group=False, timeout=300):
+        for k, v in out["PlainStep"].items():
+            torch.testing.assert_close(out["HalvesGrad"][k], v, rtol=1e-6, atol=1e-7, msg=k)
