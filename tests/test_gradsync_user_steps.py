@@ -27,10 +27,10 @@ def _x(step, rank):
     return torch.randn(8, 4, generator=torch.Generator().manual_seed(100 * step + rank))
 
 
-def broadcasts_per_forward(rank, world_size):
+def broadcasts_per_forward(rank, world_size, broadcast=True):
     torch.manual_seed(0)
     model = WithRunningStats()
-    sync = GradSync(model, bucket_mb=1.0, broadcast_buffers=True)
+    sync = GradSync(model, bucket_mb=1.0, broadcast_buffers=broadcast)
     calls = []
     real = sync_module.broadcast_from_rank0
     sync_module.broadcast_from_rank0 = lambda *a, **k: (calls.append(len(seen)), real(*a, **k))[1]
@@ -51,6 +51,39 @@ def broadcasts_per_forward(rank, world_size):
 def test_buffers_are_broadcast_before_the_first_micro_batch_of_each_step_only(run_distributed):
     for got in run_distributed(broadcasts_per_forward, 2, timeout=90):
         assert got == [(0, 0), (1, 0), (2, 0)], got
+
+
+def sharded_broadcasts(rank, world_size, broadcast):
+    from hfstream.gradsync import broadcast as broadcast_module
+
+    torch.manual_seed(0)
+    model = WithRunningStats()
+    sync = GradSync(model, bucket_mb=1.0, mode="sharded", broadcast_buffers=broadcast)
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+    real = broadcast_module.launch_from_rank0
+    broadcast_module.launch_from_rank0 = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        for step in range(3):
+            model(_x(step, rank)).pow(2).mean().backward()
+            sync.finish()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync.wait_for_params()
+    finally:
+        broadcast_module.launch_from_rank0 = real
+        sync.close()
+    return len(calls)
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_buffers_are_broadcast_only_when_asked(run_distributed, broadcast):
+    for got in run_distributed(broadcasts_per_forward, 2, broadcast, timeout=90):
+        assert got == ([(0, 0), (1, 0), (2, 0)] if broadcast else []), got
+    # Sharded, if asked to: the first forward's broadcast, then each of the 3 steps sends the next
+    # forward's buffers ahead of its gathers; if not, none.
+    for sent in run_distributed(sharded_broadcasts, 2, broadcast, timeout=90):
+        assert sent == (1 + 3 if broadcast else 0), sent
 
 
 def _mean_grads(model, xs, world_size):
