@@ -443,15 +443,19 @@ def skip_backward_on_rank1(rank, world_size):
     try:
         sync.finish()
     except RuntimeError as exc:
-        return str(exc), time.monotonic() - t0, [list(b.names) for b in sync.buckets]
-    return "finish() returned", time.monotonic() - t0, []
+        # The works that did not complete are kept alive with their buffers (gloo's thread may
+        # still use them): every launched bucket's, none that was never launched.
+        kept = [(buf is not None, work is not None) for buf, work in sync._wiring.abandoned]
+        return str(exc), time.monotonic() - t0, [list(b.names) for b in sync.buckets], kept
+    return "finish() returned", time.monotonic() - t0, [], []
 
 
 @pytest.mark.multiprocess
 def test_rank_that_skips_backward_fails_peer_with_named_buckets(run_distributed):
     t0 = time.monotonic()
-    (message, waited, buckets), _ = run_distributed(skip_backward_on_rank1, 2, timeout=60,
-                                                   pg_timeout_s=PG_TIMEOUT_S)
+    (message, waited, buckets, kept), _ = run_distributed(skip_backward_on_rank1, 2, timeout=60,
+                                                         pg_timeout_s=PG_TIMEOUT_S)
+    assert kept == [(True, True)] * len(buckets), kept
     assert time.monotonic() - t0 < 45
     assert waited < PG_TIMEOUT_S + 5, message
     assert "did not complete" in message and "bucket(s) [0, 1" in message, message
