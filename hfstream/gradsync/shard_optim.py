@@ -41,8 +41,15 @@ DECLARATION = "hfstream_elementwise"
 
 
 def declared_elementwise(optimizer) -> bool:
-    """Whether ``optimizer``'s update is elementwise: a torch one listed above, or declared by its class."""
-    return isinstance(optimizer, ELEMENTWISE) or getattr(type(optimizer), DECLARATION, False) is True
+    """Whether ``optimizer``'s update is elementwise: as its class declares it, else a torch one listed above.
+
+    A declaration wins both ways: a subclass of a listed optimizer whose own step is not
+    elementwise says ``hfstream_elementwise = False`` and is refused.
+    """
+    declared = getattr(type(optimizer), DECLARATION, None)
+    if declared is not None:
+        return declared is True
+    return isinstance(optimizer, ELEMENTWISE)
 
 
 def check_elementwise(optimizer) -> None:
