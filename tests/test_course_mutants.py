@@ -62,3 +62,16 @@ def test_a_statement_is_never_moved_past_a_docstring():
     cell = mutants.CellSpec('def g(w):\n    """Doc."""\n    w.wait()\n    return 1\n', {3, 4}, "99.x")
     moved = [m for m in mutants.mutants_of(cell) if m.kind == "wait"]
     assert [m.after for m in moved] == ["(moved after its neighbour)"], moved
+
+
+def test_an_exercise_that_reads_a_measurement_gets_it_run_once_per_process():
+    # 09.final_challenge's answer reads lab_parts and lab_shape, which come from calls of names the lesson
+    # imports from course.checks (measurements, skipped for every other exercise).
+    cells = ["from course.checks.lesson09 import lab_tensors\n",
+             "n = len(lab_tensors())\nm = n + 1\nprint(m)\n"]
+    assert "n" not in mutants._namespace(cells) and "m" not in mutants._namespace(cells)
+    ns = mutants._namespace(cells, measure=True)
+    assert ns["n"] > 0 and ns["m"] == ns["n"] + 1
+    assert "n = len(lab_tensors())" in mutants._MEASURED
+    assert mutants._namespace(cells, measure=True)["n"] == ns["n"]      # from the cache the second time
+    assert set(mutants.MEASURED_FOR) == {"09.final_challenge"}
