@@ -42,6 +42,11 @@ from course.build import BEGIN, CHECK_CALL, END, exercise_of_cells, lesson_sourc
 from course.grading import (LEARNER_PREAMBLE, NotWritten, Wrong, _strip_notebook_syntax, get_exercise,
                             keep_definitions, lesson_exercises, run_case, run_cell, Learner)
 
+# 09.final_challenge: which caps to ask the planner about is the learner's choice (the exercise says so).
+CAPS_WHY = ("one candidate cap becomes 2 to 48 MiB, which on the lab's 0.5 MiB model is one bucket, like math.inf "
+            "already in the list: the list loses one candidate, the planner picks the best of the rest, and the "
+            "check grades the run that choice measures (which reached the pass line)")
+
 # Survivors that are still right answers: {exercise id: {mutant's line: why}}. The key is the
 # mutant's description as `python -m course mutants` prints it after "line N: ".
 ALLOWED: dict[str, dict[str, str]] = {
@@ -72,6 +77,20 @@ ALLOWED: dict[str, dict[str, str]] = {
         "self.handles = []  ->  (dropped)":
             "the handles are removed just before; a removed handle's remove() does nothing, so keeping the "
             "list changes no hook",
+    },
+    "09.final_challenge": {
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 * 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 * 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 * 8, 3 / 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 * 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 * 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 * 2, math.inf]":
+            CAPS_WHY,
     },
     "09.scaling": {
         "if world_size <= 1:  ->  (dropped)":
