@@ -42,6 +42,11 @@ from course.build import BEGIN, CHECK_CALL, END, exercise_of_cells, lesson_sourc
 from course.grading import (LEARNER_PREAMBLE, NotWritten, Wrong, _strip_notebook_syntax, get_exercise,
                             keep_definitions, lesson_exercises, run_case, run_cell, Learner)
 
+# 09.final_challenge: which caps to ask the planner about is the learner's choice (the exercise says so).
+CAPS_WHY = ("one candidate cap becomes 2 to 48 MiB, which on the lab's 0.5 MiB model is one bucket, like math.inf "
+            "already in the list: the list loses one candidate, the planner picks the best of the rest, and the "
+            "check grades the run that choice measures (which reached the pass line)")
+
 # Survivors that are still right answers: {exercise id: {mutant's line: why}}. The key is the
 # mutant's description as `python -m course mutants` prints it after "line N: ".
 ALLOWED: dict[str, dict[str, str]] = {
@@ -73,6 +78,20 @@ ALLOWED: dict[str, dict[str, str]] = {
             "the handles are removed just before; a removed handle's remove() does nothing, so keeping the "
             "list changes no hook",
     },
+    "09.final_challenge": {
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 * 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 * 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 * 8, 3 / 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 * 16, 1 / 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 * 4, 1 / 2, math.inf]":
+            CAPS_WHY,
+        "caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2, math.inf]  ->  caps = [0, 1 / 32, 1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 * 2, math.inf]":
+            CAPS_WHY,
+    },
     "09.scaling": {
         "if world_size <= 1:  ->  (dropped)":
             "the formula itself gives 0 at N = 1: 2(N-1)/N and 2(N-1) are both 0; the guard only says so",
@@ -90,6 +109,17 @@ ALLOWED: dict[str, dict[str, str]] = {
             "the same: at N = 1 the formula that follows gives 0",
     },
 }
+
+# Exercises whose answer reads what one of the lesson's measurements returned (a measurement: an
+# assignment that calls a name the lesson imports from `course.checks`, which the tool otherwise
+# skips). For these the tool runs each such measurement once per process, the first time a
+# namespace is built, and hands every later mutant a copy of what it bound: {exercise id: why}.
+MEASURED_FOR: dict[str, str] = {
+    "09.final_challenge":
+        "final_run_config() asks overlap_step_ms about lab_buckets(cap) with lab_parts, lab_link_gbs and "
+        "lab_latency_us, read from the `explore = run_lab(...)` run; lab_shape calls lab_tensors()",
+}
+_MEASURED: dict[str, dict] = {}    # a measurement's source -> the names it bound, in this process
 
 CMP_SWAPS = {ast.Lt: [ast.LtE, ast.Gt], ast.LtE: [ast.Lt, ast.GtE], ast.Gt: [ast.GtE, ast.Lt],
              ast.GtE: [ast.Gt, ast.LtE], ast.Eq: [ast.NotEq], ast.NotEq: [ast.Eq], ast.Is: [ast.IsNot],
@@ -357,11 +387,30 @@ def mutants_of(cell: CellSpec) -> list[Mutant]:
 
 
 # --------------------------------------------------------------------------- grading
-def _namespace(cells: list[str], forced: list[set[int]] | None = None) -> dict:
+def _bound_names(node: ast.AST) -> list[str]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)]
+
+
+def _measure_once(node: ast.AST, ns: dict, filename: str) -> None:
+    """Run a measurement assignment the first time, and bind a copy of what it bound since."""
+    key = ast.unparse(node)
+    if key not in _MEASURED:
+        exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), ns)
+        _MEASURED[key] = {name: ns[name] for name in _bound_names(node) if name in ns}
+    for name, value in _MEASURED[key].items():
+        try:
+            ns[name] = copy.deepcopy(value)
+        except Exception:
+            ns[name] = value
+
+
+def _namespace(cells: list[str], forced: list[set[int]] | None = None, measure: bool = False) -> dict:
     """The names the cells define, each cell kept in linecache as a notebook cell is (so
     `Learner.module_file` ships it whole). A statement that needs a name only a dropped call made
     (``x = model.weight`` after ``model = train(...)``) is skipped; a def, class or import that
-    fails raises (the mutant broke it)."""
+    fails raises (the mutant broke it). With ``measure`` the lesson's measurements run too, once
+    per process (`MEASURED_FOR`)."""
     import linecache
 
     ns = run_cell(LEARNER_PREAMBLE)
@@ -374,6 +423,16 @@ def _namespace(cells: list[str], forced: list[set[int]] | None = None) -> dict:
             body = ast.parse(stripped).body
             text = "\n".join(ast.unparse(node) for k, node in enumerate(body)
                              if k in must or keep_definitions(ast.unparse(node)).strip()) + "\n"
+        elif measure:   # the measurements too, in their place (keep_definitions drops those of a later cell)
+            body = ast.parse(stripped).body
+            imports = "\n".join(ast.unparse(node) for node in body if isinstance(node, (ast.Import, ast.ImportFrom)))
+            here = measuring | {a.asname or a.name for node in body if isinstance(node, ast.ImportFrom)
+                                and (node.module or "").startswith("course.checks") for a in node.names}
+            text = "\n".join(ast.unparse(node) for node in body
+                             if keep_definitions(ast.unparse(node), preamble=imports).strip()
+                             or (isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
+                                 isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in here
+                                 for c in ast.walk(node)))) + "\n"
         filename = f"<course-mutant-cell-{id(ns)}-{n}>"
         linecache.cache[filename] = (len(text), None, text.splitlines(True), filename)
         for node in ast.parse(text).body:
@@ -382,6 +441,9 @@ def _namespace(cells: list[str], forced: list[set[int]] | None = None) -> dict:
             if isinstance(node, (ast.Assign, ast.AnnAssign)) and any(
                     isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.func.id in measuring
                     for c in ast.walk(node)):
+                if measure:
+                    with contextlib.suppress(Exception):
+                        _measure_once(node, ns, filename)
                 continue     # `rs = measure_reduce_scatter(globals())`: a measurement, not a definition
             try:
                 exec(compile(ast.Module([node], type_ignores=[]), filename, "exec"), ns)
@@ -398,7 +460,7 @@ def grade(exercise_id: str, cells: list[str], case_timeout: float = 60.0,
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            ns = _namespace(cells, forced)
+            ns = _namespace(cells, forced, measure=exercise_id in MEASURED_FOR)
         except Exception as e:  # the mutant does not even define its names
             return False, "definition", f"{type(e).__name__}: {e}"
         learner = Learner(ns, exercise)

@@ -62,3 +62,40 @@ def test_a_statement_is_never_moved_past_a_docstring():
     cell = mutants.CellSpec('def g(w):\n    """Doc."""\n    w.wait()\n    return 1\n', {3, 4}, "99.x")
     moved = [m for m in mutants.mutants_of(cell) if m.kind == "wait"]
     assert [m.after for m in moved] == ["(moved after its neighbour)"], moved
+
+
+def test_an_exercise_that_reads_a_measurement_gets_it_run_once_per_process():
+    # 09.final_challenge's answer reads lab_parts and lab_shape, which come from calls of names the lesson
+    # imports from course.checks (measurements, skipped for every other exercise).
+    cells = ["from course.checks.lesson09 import lab_tensors\n",
+             "n = len(lab_tensors())\nm = n + 1\nprint(m)\n"]
+    assert "n" not in mutants._namespace(cells) and "m" not in mutants._namespace(cells)
+    ns = mutants._namespace(cells, measure=True)
+    assert ns["n"] > 0 and ns["m"] == ns["n"] + 1
+    assert "n = len(lab_tensors())" in mutants._MEASURED
+    assert mutants._namespace(cells, measure=True)["n"] == ns["n"]      # from the cache the second time
+    assert set(mutants.MEASURED_FOR) == {"09.final_challenge"}
+
+
+def test_a_launch_loop_that_never_moves_on_is_stopped_and_named_before_any_rank_runs():
+    # 06.bucketed_sync without `self.next += 1` launched until the machine ran out of memory (24 GB); the
+    # all-reduce stand-ins stop at RUNAWAY_CALLS and the check names the loop from the in-process rehearsal.
+    from course.checks.lesson05 import RUNAWAY, fake_ranks
+    import pytest
+    import torch
+
+    with fake_ranks(2) as log, pytest.raises(RuntimeError, match="never moves on"):
+        for _ in range(100_000):
+            torch.distributed.all_reduce(torch.zeros(1), async_op=True)
+    assert len(log) == 10_000
+    cells = mutants.lesson_cells("06")
+    upto = next(k for k, (_, checks) in enumerate(cells) if "06.bucketed_sync" in checks)
+    sources, forced = [c.source for c, _ in cells[:upto]], [c.forced for c, _ in cells[:upto]]
+    k, cell = next((k, c) for k, (c, _) in enumerate(cells[:upto]) if c.exercise == "06.bucketed_sync" and c.block_lines)
+    dropped = [m for m in mutants.mutants_of(cell) if m.key == "self.next += 1  ->  (dropped)"]
+    assert len(dropped) == 2                      # the hook's loop and finish()'s
+    with mutants._private_progress():
+        for m in dropped:
+            passed, by, message = mutants.grade("06.bucketed_sync", sources[:k] + [m.source] + sources[k + 1:],
+                                                60.0, forced)
+            assert not passed and RUNAWAY in message and "kept launching" in message, (by, message)

@@ -30,6 +30,13 @@ import torch.nn.functional as F
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub, load_module
 
 # --------------------------------------------------------------------------- shared tools
+# A launch loop that never moves on (``while self.next < n: self._launch(self.next)`` without the
+# ``+= 1``) would otherwise launch until the machine runs out of memory: both stand-ins stop it here.
+RUNAWAY_CALLS = 10_000
+RUNAWAY = (f"more than {RUNAWAY_CALLS} all-reduces in one step: a launch loop that never moves on to the next "
+           f"one (does it advance its index?)")
+
+
 class Recorder:
     """Stands in for ``torch.distributed.all_reduce`` in a rank and records every call.
 
@@ -45,6 +52,8 @@ class Recorder:
     def __call__(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         call = {"numel": tensor.numel(), "async": bool(async_op), "in_backward": self.in_backward,
                 "launch": time.perf_counter(), "done": None}
+        if len(self.calls) >= RUNAWAY_CALLS:
+            raise RuntimeError(RUNAWAY)
         self.calls.append(call)
         work = self.real(tensor, op=op, group=group, async_op=async_op)
         if work is None:
@@ -107,6 +116,8 @@ def fake_ranks(world_size: int = 2):
     log = Log()
 
     def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if len(log) >= RUNAWAY_CALLS:
+            raise RuntimeError(RUNAWAY)
         log.append({"tensor": tensor, "numel": tensor.numel(), "ptr": tensor.data_ptr(),
                     "async": bool(async_op), "in_backward": log.in_backward})
         return _FakeWork(tensor) if async_op else None

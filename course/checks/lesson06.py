@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from course.checks.lesson05 import (Branchy, Recorder, _classify, _memo, _reference_grads, cached, fake_ranks,
-                                    run_ranks)
+from course.checks.lesson05 import (RUNAWAY, Branchy, Recorder, _classify, _memo, _reference_grads, cached,
+                                    fake_ranks, run_ranks)
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub, load_module
 
 MiB = 2**20
@@ -279,7 +279,16 @@ def _bucketed_facts(learner) -> dict:
     """The real 2-rank run: the two TinyMLP plans, and the unused-parameter model when the
     in-process rehearsal (`_unused_fake`) found nothing that would crash or hang real ranks."""
     try:
-        with_unused = _diagnose_unused(_unused_fake(learner)) is None
+        fake = _unused_fake(learner)
+    except Exception:
+        fake = None
+    for rank in (0, 1):
+        error = ((fake or {}).get(rank) or {}).get("error", "")
+        if RUNAWAY in error:   # before any rank runs it: such a loop would run until memory is exhausted
+            raise Wrong(f"a loop that launches buckets (in _on_grad_ready or finish) kept launching: {RUNAWAY}. "
+                        f"Each launch moves self.next on by one, so the loop ends after the last bucket")
+    try:
+        with_unused = fake is not None and _diagnose_unused(fake) is None
     except Exception:
         with_unused = False
     facts = cached("06.bucketed_sync", learner,
@@ -411,6 +420,8 @@ def _unused_fake(learner) -> dict:
 def _diagnose_unused(fake: dict) -> Wrong | None:
     for rank in (0, 1):
         f = fake[rank]
+        if RUNAWAY in f.get("error", ""):
+            return Wrong(f"rank {rank}: a loop that launches buckets kept launching: {RUNAWAY}")
         who = "expert.weight, which rank 1 did not use" if rank == 1 else "spare, which no rank uses"
         launched, want = f["numels"], f["want"]
         if launched != want[:len(launched)] or ("error" not in f and len(launched) != len(want)):
