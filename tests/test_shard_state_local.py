@@ -1,0 +1,58 @@
+"""A sharded optimizer's own state_dict() is this rank's shard: it loads back into the same layout, and
+is refused by name in another (the whole form, `sync.optimizer_state_dict()`, is what moves)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from hfstream.gradsync import GradSync
+
+
+def _local_round_trip(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    sync = GradSync(model, mode="sharded", bucket_mb=0)
+    opt = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    try:
+        for step in range(2):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step + 10 * rank))).sum().backward()
+            sync.finish()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync.wait_for_params()
+        mine = copy.deepcopy(opt.state_dict())   # state_dict() holds the live tensors
+        before = {k: {n: v.clone() for n, v in s.items()} for k, s in mine["state"].items()}
+        for s in opt.state.values():   # wipe, then load this rank's own shard back
+            for v in s.values():
+                if torch.is_tensor(v):
+                    v.zero_()
+        opt.load_state_dict(mine)
+        after = {k: {n: v.clone() for n, v in s.items()} for k, s in opt.state_dict()["state"].items()}
+        theirs = [None] * world_size
+        dist.all_gather_object(theirs, mine)
+        try:
+            opt.load_state_dict(theirs[1 - rank])
+            refused = None
+        except ValueError as exc:
+            refused = str(exc)
+        return before, after, refused
+    finally:
+        sync.close()
+
+
+@pytest.mark.multiprocess
+def test_a_ranks_shard_loads_back_into_its_layout_and_is_refused_in_another(run_distributed):
+    for rank, (before, after, refused) in enumerate(run_distributed(_local_round_trip, 2, timeout=90)):
+        assert before and before.keys() == after.keys()
+        for k, s in before.items():
+            assert s.keys() == after[k].keys()
+            for n, v in s.items():
+                assert torch.equal(after[k][n], v), (rank, k, n)
+        assert any(v.abs().sum() > 0 for s in before.values() for v in s.values() if v.dim() > 0)
+        assert refused is not None and f"one rank's shard (rank {1 - rank} of 2" in refused, refused
+        assert "sync.optimizer_state_dict()" in refused
