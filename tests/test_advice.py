@@ -133,12 +133,8 @@ def test_data_bound_trainer_run_advises_prefetch_and_doctor_prints_it(tmp_path, 
     assert doctor(tmp_path / "run") == 0
     out = capsys.readouterr().out
     assert "hfstream step report" in out and "advice: set prefetch_depth=2" in out
-    # Applied: prefetching takes the step down (to the producer's 20 ms at best: a 40 ms sleep against a
-    # ~4 ms step left under 10 % to gain).
-    args = train_args(StreamTrainingArguments, tmp_path / "after", max_steps=12, prefetch_depth=2)
-    after = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(), data_collator=SlowCollate(20))
-    after.train()
-    assert after.stream_report()["mean"]["step_ms"] < report["mean"]["step_ms"] * 0.9
+    # That prefetching then hides the collate is an effect held without a clock by
+    # tests/test_effects_data_wait_hidden.py; how much it saves is the sweep's (docs/benchmarks.md).
 
 
 def test_doctor_on_a_path_without_a_report_says_what_to_pass(tmp_path, capsys):
