@@ -122,3 +122,25 @@ def test_evaluation_during_training_is_a_phase_the_watchdog_names(tmp_path):
     assert evaluating and evaluating[0] == "evaluating during training, after step 1", phases
     trainer.evaluate()   # after train(): not a phase of training
     assert len([p for p in phases if p.startswith("evaluating")]) == len(evaluating)
+
+
+def test_the_pending_report_says_how_long_ago_each_unfinished_bucket_was_launched():
+    import types
+
+    from hfstream.gradsync.faults import pending_report
+
+    def bucket(index, names, work, launched, ready):
+        return types.SimpleNamespace(plan=types.SimpleNamespace(index=index, names=names), work=work,
+                                     launch_time=launched, ready=ready)
+
+    in_flight = types.SimpleNamespace(is_completed=lambda: False)
+    done = types.SimpleNamespace(is_completed=lambda: True)
+    now = time.perf_counter()
+    report = pending_report(1, [bucket(0, ["w0"], in_flight, now - 2.0, [True]),
+                                bucket(1, ["w1"], done, now - 5.0, [True]),
+                                bucket(2, ["a", "b"], None, None, [True, False])], [0, 1], serial=False)
+    lines = report.splitlines()
+    assert lines[0] == "GradSync rank 1, launched so far [0, 1]:"
+    assert lines[1].startswith("  bucket 0: launched 2.") and "reduction not complete" in lines[1], lines
+    assert lines[2] == "  bucket 2: never became ready; no gradient yet for b", lines   # bucket 1 completed
+    assert len(lines) == 3
