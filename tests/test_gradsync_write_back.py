@@ -10,23 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
 
 from hfstream.gradsync import GradSync
-
-
-class TwoSideBranches(nn.Module):
-    """Two side branches used on rank 1 only; at ``bucket_mb=0`` each parameter is its own bucket."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
-        self.side_a, self.side_b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x, use_sides):
-        h = self.a(x) + (self.side_a(x) if use_sides else 0)
-        h = self.b(h) + (self.side_b(x) if use_sides else 0)
-        return self.c(h).sum()
+from test_gradsync_host_reads import TwoSideBranches
 
 
 def _write_back(rank, world_size, comm_dtype):
