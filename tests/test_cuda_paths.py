@@ -165,12 +165,12 @@ def test_overlap_at_normal_priority_and_gloo_keep_the_default_group(monkeypatch,
 def test_a_replan_drops_the_old_plans_wire_buffers_before_the_new_plan_builds_its_own():
     from hfstream.gradsync.sync import GradSync
     old = [SimpleNamespace(buffer=torch.zeros(8), views=[torch.zeros(4)],
-                           layout=SimpleNamespace(received=torch.zeros(8))),
-           SimpleNamespace(buffer=torch.zeros(8), views=[], layout=[True])]   # AllReduce's layout: a list
+                           shard=SimpleNamespace(received=torch.zeros(8)), as_view=None),
+           SimpleNamespace(buffer=torch.zeros(8), views=[], shard=None, as_view=[True])]   # AllReduce's bucket
     seen = []
 
     def build(previous):
-        seen.append([(st.buffer, st.views, getattr(st.layout, "received", None)) for st in previous])
+        seen.append([(st.buffer, st.views, st.shard.received if st.shard is not None else None) for st in previous])
 
     fake = SimpleNamespace(buckets=[SimpleNamespace(names=["a"])], _states=old, _build_states=build,
                            _reset_step=lambda: None, _planner=SimpleNamespace(planned_mb=1))

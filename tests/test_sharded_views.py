@@ -37,7 +37,7 @@ def _storages(tensors) -> dict[int, int]:
 
 
 def _viewed(sync) -> dict[str, bool]:
-    return {name: v for st in sync.bucket_states for name, v in zip(st.plan.names, st.layout.viewed())}
+    return {name: v for st in sync.bucket_states for name, v in zip(st.plan.names, st.shard.viewed())}
 
 
 def _train(model, sync, opt, steps, rank, edit_at=None):
@@ -63,7 +63,7 @@ def views_suite(rank, world_size):
     own_bytes = sum(_storages(model.parameters()).values())
     sync = GradSync(model, mode="sharded", bucket_mb=0.004, last_bucket_mb=None)   # 0.004 MiB: 2 layers a bucket
     opt = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    layouts = [st.layout for st in sync.bucket_states]
+    layouts = [st.shard for st in sync.bucket_states]
     out["buckets"] = len(layouts)
     out["all_viewed"] = all(all(sh.viewed()) for sh in layouts)
     out["in_their_buffer"] = all(

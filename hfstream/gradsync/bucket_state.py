@@ -12,10 +12,14 @@ while its reduction still reads the buffer, or reused while an all-gather still 
 from __future__ import annotations
 
 import enum
+from typing import TYPE_CHECKING
 
 import torch
 
 from .buckets import Bucket
+
+if TYPE_CHECKING:
+    from .shard_layout import BucketShard
 
 
 class Phase(enum.Enum):
@@ -44,7 +48,9 @@ class BucketState:
         self.plan, self.params, self.wire_dtype = plan, params, wire_dtype
         self.buffer: torch.Tensor | None = None   # the flat buffer the collective reads, allocated at first launch
         self.views: list[torch.Tensor] = []       # each parameter's gradient in it, in the parameter's shape
-        self.layout = None                        # the strategy's own per-bucket data (sharded: `BucketShard`)
+        # Each strategy's own per-bucket data, one attribute per mode, each None under the other:
+        self.as_view: list[bool] | None = None    # overlap: whether each .grad can be its slice of `buffer`
+        self.shard: BucketShard | None = None     # sharded: this rank's pieces, master and gathered storage
         self.phase = Phase.COLLECTING
         self.reset()
 

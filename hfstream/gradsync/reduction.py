@@ -157,13 +157,13 @@ class AllReduce(Reduction):
         # DDP's gradient_as_bucket_view: where the wire has the gradient's dtype and layout, the
         # parameter's .grad becomes its slice of the buffer once packed, so the mean arrives in
         # .grad without a copy and the gradient is held once, not twice.
-        st.layout = [st.wire_dtype == p.dtype and p.is_contiguous() for p in st.params]
+        st.as_view = [st.wire_dtype == p.dtype and p.is_contiguous() for p in st.params]
 
     @torch.no_grad()
     def pack(self, st: BucketState, stream) -> None:
         if st.buffer is None:
             self._allocate(st)
-        world_size, as_view = self.wiring.world_size, st.layout
+        world_size, as_view = self.wiring.world_size, st.as_view
         for slot, (p, dst) in enumerate(zip(st.params, st.views)):
             grad = p.grad
             if grad is None:
@@ -215,7 +215,7 @@ class AllReduce(Reduction):
                 continue   # no rank used it: leave .grad untouched (None stays None), as DDP does
             if p.grad is not None and p.grad.data_ptr() == mean.data_ptr():
                 continue   # .grad is the bucket's view: the mean is there already
-            if p.grad is None and st.layout[slot]:
+            if p.grad is None and st.as_view[slot]:
                 p.grad = mean
                 continue
             if p.grad is None:

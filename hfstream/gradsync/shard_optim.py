@@ -146,7 +146,7 @@ def pieces_by_group(num_groups: int, states, group_of) -> list[list[torch.Tensor
     """This rank's piece tensors of ``states``, per param group, in bucket order (``group_of(p)``: ``p``'s group)."""
     per_group = [[] for _ in range(num_groups)]
     for st in states:
-        for pc, t in zip(st.layout.pieces, st.layout.tensors):
+        for pc, t in zip(st.shard.pieces, st.shard.tensors):
             per_group[group_of(st.params[pc.slot])].append(t)
     return per_group
 

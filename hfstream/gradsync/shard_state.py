@@ -63,7 +63,7 @@ def _agree_on_keys(optimizer, states, group, world_size) -> tuple[dict, dict, di
     """
     element, param, constant = {}, {}, {}
     for st in states:
-        for t in st.layout.tensors:
+        for t in st.shard.tensors:
             for k, v in optimizer.state.get(t, {}).items():
                 kind = _kind(k, v, t.shape)
                 if kind == "element":
@@ -75,7 +75,7 @@ def _agree_on_keys(optimizer, states, group, world_size) -> tuple[dict, dict, di
     if not states:   # the plan is the same on every rank: no rank has a bucket, nothing to agree on
         return element, param, constant
     mine = (element, param, {k: v.cpu() if torch.is_tensor(v) else v for k, v in constant.items()})
-    views = _all_gather_objects(mine, group, world_size, states[0].layout.master.device)
+    views = _all_gather_objects(mine, group, world_size, states[0].shard.master.device)
     for e, p, c in views:
         for k, dtypes in e.items():
             element[k] = {**dtypes, **element.get(k, {})}
@@ -145,7 +145,7 @@ def _param_values(optimizer, sh, keys, group) -> tuple[list[bool], dict]:
 def _whole_of_bucket(optimizer, st, keys, group, world_size, device=None) -> dict[int, dict]:
     """``{id(parameter): its whole state}`` for the parameters of one bucket that have state (a collective)."""
     element, param, constant = keys
-    sh = st.layout
+    sh = st.shard
     has, values = _param_values(optimizer, sh, sorted(param), group)
     out = {id(p): {} for p, h in zip(sh.params, has) if h}
     for key, dtypes in sorted(element.items()):
@@ -202,7 +202,7 @@ def carry_over(optimizer, old_states, new_buckets, group, world_size: int, retir
             where.setdefault(id(params[pc.slot]), []).append(((j, k), pc))
     grads, state = {}, {}
     for st in old_states:
-        sh = st.layout
+        sh = st.shard
         whole = _gathered(sh, sh.grad, group, world_size)
         for p, o in zip(sh.params, sh.offsets):
             for key, pc in where.get(id(p), []):
@@ -298,7 +298,7 @@ def whole_to_local(optimizer, state_dict: dict, states, now: dict) -> dict:
     for g, group in enumerate(optimizer.param_groups):
         ids = []
         for st in states:   # the order `shard_optim.install` puts the pieces in
-            for pc in st.layout.pieces:
+            for pc in st.shard.pieces:
                 p = st.params[pc.slot]
                 if group_of[id(p)] != g:
                     continue

@@ -105,13 +105,13 @@ class ShardedReduction(Reduction):
                 self._rebuild(previous)
             self._install()
             for st in states:
-                st.layout.set_grads()
+                st.shard.set_grads()
 
     def _build(self) -> None:
         w = self.wiring
         for st in self.states:
-            st.layout = BucketShard(st, w.world_size, w.rank, self.local_sum)
-            st.layout.refresh()
+            st.shard = BucketShard(st, w.world_size, w.rank, self.local_sum)
+            st.shard.refresh()
 
     def _rebuild(self, previous: list[BucketState]) -> None:
         """A re-plan: the old layout's slices and state move to the new one, one bucket at a time.
@@ -133,7 +133,7 @@ class ShardedReduction(Reduction):
         cuts = [(st.params, slices_of([p.numel() for p in st.params], w.world_size, w.rank)[2]) for st in self.states]
         grads, state = shard_state.carry_over(self.optimizer, previous, cuts, w.group, w.world_size, self._retire)
         for j, st in enumerate(self.states):
-            st.layout = sh = BucketShard(st, w.world_size, w.rank, self.local_sum)
+            st.shard = sh = BucketShard(st, w.world_size, w.rank, self.local_sum)
             sh.refresh()
             for k, (pc, t) in enumerate(zip(sh.pieces, sh.tensors)):
                 if (j, k) in grads:
@@ -144,8 +144,8 @@ class ShardedReduction(Reduction):
     @staticmethod
     def _retire(st: BucketState) -> None:
         """An old bucket whose slices and state have moved: free its buffers (its parameters keep their values)."""
-        st.layout.release()
-        st.layout, st.buffer, st.views = None, None, []
+        st.shard.release()
+        st.shard, st.buffer, st.views = None, None, []
 
     def shard_optimizer(self, optimizer, mode: str):
         return shard_optim.shard_optimizer(self, optimizer)
@@ -192,8 +192,8 @@ class ShardedReduction(Reduction):
     def refresh(self) -> None:
         """The parameters were replaced (``load_state_dict``): take this rank's slices from them again."""
         for st in self.states:
-            if st.layout is not None:
-                st.layout.refresh()
+            if st.shard is not None:
+                st.shard.refresh()
 
     def first_step_unused(self, names: list[str]) -> None:
         self.wiring.note(
@@ -239,7 +239,7 @@ class ShardedReduction(Reduction):
             p.grad = None
 
     def launch(self, st: BucketState):
-        sh = st.layout
+        sh = st.shard
         if self.accumulate:
             self._carried[st.plan.index] = sh.grad.clone()   # the collective writes sh.grad (or received, then it)
         out = sh.received if (self.local_sum or sh.received is not None) else sh.grad
@@ -247,7 +247,7 @@ class ShardedReduction(Reduction):
 
     @torch.no_grad()
     def reduced(self, st: BucketState) -> None:
-        sh = st.layout
+        sh = st.shard
         if self.local_sum:
             collectives.sum_received(sh.received, sh.grad, self.wiring.world_size)
         elif sh.received is not None:
@@ -261,9 +261,9 @@ class ShardedReduction(Reduction):
     def adopt_edits(self) -> None:
         """Before ``step()``: parameters written since their last gather (a callback, an EMA swap-in) are kept."""
         for st in self.states:
-            edited = st.layout.edited()
+            edited = st.shard.edited()
             if edited:
-                st.layout.refresh(edited)
+                st.shard.refresh(edited)
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
         if not self.attached:
@@ -273,7 +273,7 @@ class ShardedReduction(Reduction):
             return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
         tensors, owners = [], []   # each piece, and which parameter it is part of (stock's norm is per parameter)
         for st in self.states:
-            for pc, t in zip(st.layout.pieces, st.layout.tensors):
+            for pc, t in zip(st.shard.pieces, st.shard.tensors):
                 p = st.params[pc.slot]
                 tensors.append(t)
                 owners.append((self._index[id(p)], pc.param_start == 0 and pc.param_end == p.numel()))
@@ -291,7 +291,7 @@ class ShardedReduction(Reduction):
         squares = torch.zeros(len(names), dtype=torch.float64, device=device)
         has = torch.zeros(len(names), dtype=torch.float64, device=device)
         for st in self.states:
-            for pc, t in zip(st.layout.pieces, st.layout.tensors):
+            for pc, t in zip(st.shard.pieces, st.shard.tensors):
                 if t.grad is not None:
                     i = self._index[id(st.params[pc.slot])]
                     squares[i] += t.grad.double().pow(2).sum()
@@ -305,7 +305,7 @@ class ShardedReduction(Reduction):
     def gather_gradients(self) -> None:
         """Every parameter's ``.grad`` = the whole mean gradient, from all ranks' slices (a collective)."""
         for st in self.states:
-            sh = st.layout
+            sh = st.shard
             whole = torch.empty(sh.size * self.wiring.world_size, dtype=sh.grad.dtype, device=sh.grad.device)
             collectives.launch_all_gather(whole, sh.grad, self.wiring.group).wait()
             for p, o, n in zip(st.params, sh.offsets, sh.numels):
@@ -315,7 +315,7 @@ class ShardedReduction(Reduction):
     def scatter_gradients(self) -> None:
         """This rank's slices back from ``.grad`` (a callback may have changed it), which is released."""
         for st in self.states:
-            sh = st.layout
+            sh = st.shard
             for pc in sh.pieces:
                 g = st.params[pc.slot].grad
                 if g is not None:
@@ -389,7 +389,7 @@ class ShardedReduction(Reduction):
             landing()
 
     def _launch_gather(self, st: BucketState) -> None:
-        recorder, device, sh = self.wiring.recorder, st.plan.device, st.layout
+        recorder, device, sh = self.wiring.recorder, st.plan.device, st.shard
         sh.timing = recorder.gather_launching(st.plan.index, device, events=device in self.wiring.comm_streams)
         sh.gather = collectives.launch_all_gather(sh.gathered, sh.master, self.wiring.group)
         st.move(Phase.GATHERING)
@@ -408,7 +408,7 @@ class ShardedReduction(Reduction):
         """
         if st.phase is not Phase.GATHERING:
             return
-        sh, w = st.layout, self.wiring
+        sh, w = st.shard, self.wiring
         work, sh.gather = sh.gather, None
         recorder, device = w.recorder, st.plan.device
         entered = recorder.wait_entered(device, events=device in w.comm_streams) if exposed else None
@@ -441,8 +441,8 @@ class ShardedReduction(Reduction):
         if not self.wiring.abandoned:
             self.wait_for_params()
         for st in self.states:
-            if st.layout is not None:
-                st.layout.release()
+            if st.shard is not None:
+                st.shard.release()
         self.waits.close()
         self.closed = True
         for handle in self._handles:

@@ -69,16 +69,16 @@ def release_wire_buffers(states: list[BucketState]) -> None:
     """Drop the old plan's gradient wire buffers before the new plan allocates its own.
 
     Called at a re-plan, after ``finish()``: every reduction has completed and its result is in
-    ``.grad`` (or, sharded, in the layout's ``grad``), so the buffers the gradients travelled in
+    ``.grad`` (or, sharded, in the shard's ``grad``), so the buffers the gradients travelled in
     (model-sized, padded) and a compressed wire's receive buffer are not read again. Without this
     the old plan's and the new plan's wire buffers are both alive while the new one is built.
-    The sharded layout's ``gathered`` (the parameters' storage), ``grad`` and ``master`` stay:
-    the new layout copies the parameters from them and the optimizer state moves over.
+    The shard's ``gathered`` (the parameters' storage), ``grad`` and ``master`` stay:
+    the new shard copies the parameters from them and the optimizer state moves over.
     """
     for st in states:
         st.buffer, st.views = None, []
-        if getattr(st.layout, "received", None) is not None:
-            st.layout.received = None
+        if st.shard is not None:
+            st.shard.received = None
 
 
 class GradSync:
