@@ -78,3 +78,12 @@ def test_rank_0s_pick_is_what_decide_reports(scores):
         tuner.observe(ms)
     result = tuner.decide(broadcast=lambda index: 1 - index)   # rank 0 picked the other one
     assert result.bucket_mb == [0.5, 1.0][1 - scores.index(min(scores))]
+
+
+def test_the_sweep_tries_every_documented_cap_on_a_model_each_cuts_differently():
+    from hfstream.gradsync.buckets import plan_buckets
+
+    named = [(f"p{i}", torch.empty(2**16, device="meta")) for i in range(200)]   # 0.25 MiB each, 50 MiB
+    caps, counts = tune.distinct_candidates(lambda cap: plan_buckets(named, cap))
+    assert caps == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]   # the module docstring's list
+    assert counts == [200, 100, 50, 25, 13, 7, 4, 2]
