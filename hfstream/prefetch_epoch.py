@@ -71,7 +71,7 @@ class InFlight:
     batch: Any
     moved: list
     nbytes: int
-    tensors: int = 0      # tensors in the batch, moved or not (skipped keys aside)
+    tensors: int          # tensors in the batch, moved or not (skipped keys aside)
     done: Any = None      # event recorded on the side stream after this batch's copies
     start: Any = None     # timing event recorded before them (time_copies=True only)
 

@@ -47,9 +47,20 @@ def test_stats_of_each_batch_are_its_own_wait_and_the_totals_add_up(monkeypatch)
     assert stats.batches == 2     # the end is not a batch
 
 
-def test_no_batches_have_no_mean_wait():
-    assert PrefetchStats().mean_data_wait_ms == 0.0
-    assert PrefetchStats().produced.maxlen == PRODUCED_KEPT
+def test_a_new_prefetcher_has_counted_nothing():
+    s = PrefetchStats()
+    assert (s.batches, s.data_wait_ms, s.data_wait_ms_total, s.bytes_copied) == (0, 0.0, 0.0, 0)
+    assert (s.copy_ms, s.copy_gbps, s.copy_ms_total, s.copies_timed) == (None, None, 0.0, 0)
+    assert s.mean_data_wait_ms == 0.0
+    assert len(s.produced) == 0 and s.produced.maxlen == PRODUCED_KEPT
+
+
+def test_the_end_of_the_source_closes_the_epoch_and_lets_go_of_it():
+    it = SyncEpoch(iter([{"x": torch.ones(1)}]), META, frozenset(), 0, PrefetchStats())
+    next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    assert it._closed and it._source is None   # a DataLoader iterator can shut its workers down
 
 
 def test_move_batch_counts_every_tensor_and_the_bytes_of_those_it_moved():
@@ -77,6 +88,32 @@ def test_an_exception_from_the_source_names_the_batch_it_surfaced_at():
     notes = getattr(info.value, "__notes__", [])
     assert len(notes) == 1 and "surfaced at batch 2 of this epoch" in notes[0]
     with pytest.raises(StopIteration):     # the epoch is closed by the failure
+        next(it)
+
+
+class FailsOnce:
+    """An iterator whose third item raises, and which would go on after it."""
+
+    def __init__(self):
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.i += 1
+        if self.i == 3:
+            raise KeyError("row 3")
+        return {"i": self.i}
+
+
+def test_a_failure_ends_the_epoch_even_where_the_source_could_go_on():
+    it = SyncEpoch(FailsOnce(), META, frozenset(), 0, PrefetchStats())
+    assert [next(it)["i"], next(it)["i"]] == [1, 2]
+    with pytest.raises(KeyError):
+        next(it)
+    assert it._source is None
+    with pytest.raises(StopIteration):
         next(it)
 
 
