@@ -31,6 +31,16 @@ def test_union_length(spans, want):
     assert union_length(spans) == want
 
 
+def test_before_the_first_step_the_stats_are_of_nothing():
+    rec = StatsRecorder()
+    assert rec.launched_in_backward == 0
+    assert rec.deferred().ready()
+    s = rec.stats
+    assert (s.comm_busy_ms, s.exposed_comm_ms, s.num_collectives, s.launched_in_backward) == (0.0, 0.0, 0, 0)
+    assert s.bucket_spans == [] and s.finish_span == (0.0, 0.0)
+    assert math.isnan(s.all_gather_busy_ms) and s.num_all_gathers == 0
+
+
 class Clock:
     """``time.perf_counter`` as the test sets it (seconds)."""
 

@@ -52,12 +52,12 @@ class SyncStats:
     sharded: the reduce-scatters); the step report's fields of those names add the all-gathers.
     """
 
-    comm_busy_ms: float = 0.0
-    exposed_comm_ms: float = 0.0
-    num_collectives: int = 0
-    launched_in_backward: int = 0
-    bucket_spans: list[tuple[int, float, float]] = field(default_factory=list)
-    finish_span: tuple[float, float] | None = None
+    comm_busy_ms: float
+    exposed_comm_ms: float
+    num_collectives: int
+    launched_in_backward: int
+    bucket_spans: list[tuple[int, float, float]]
+    finish_span: tuple[float, float] | None
     all_gather_busy_ms: float = math.nan
     all_gather_exposed_ms: float = math.nan
     num_all_gathers: int = 0
