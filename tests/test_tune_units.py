@@ -4,6 +4,7 @@ Written against the mutants of tune.py lines 184-308 that `test_gradsync_tune.py
 `test_effects_auto_bucket_cap.py` let through (docs/design.md, "Mutation testing").
 """
 
+import re
 import types
 
 import pytest
@@ -87,3 +88,23 @@ def test_the_sweep_tries_every_documented_cap_on_a_model_each_cuts_differently()
     caps, counts = tune.distinct_candidates(lambda cap: plan_buckets(named, cap))
     assert caps == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]   # the module docstring's list
     assert counts == [200, 100, 50, 25, 13, 7, 4, 2]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(candidates_mb=[], num_buckets=[]), "at least one candidate"),
+    (dict(candidates_mb=[1.0, 2.0], num_buckets=[4]), "one bucket count per candidate"),
+    (dict(warmup_steps=-1), "warmup_steps=-1"),
+    (dict(scored_steps=0), "scored_steps=0"),
+    (dict(stop_margin=-0.1), "stop_margin=-0.1"),
+    (dict(stop_margin=float("nan")), "stop_margin=nan"),
+    (dict(statistic="mean"), "statistic='mean'"),
+])
+def test_a_tuner_with_a_bad_setting_is_refused_by_name(kwargs, match):
+    args = dict(candidates_mb=[1.0, 2.0], num_buckets=[4, 2]) | kwargs
+    with pytest.raises(ValueError, match=re.escape(match)):
+        tune.BucketTuner(**args)
+
+
+def test_the_smallest_settings_are_accepted():
+    t = tune.BucketTuner([1.0], [1], warmup_steps=0, scored_steps=1, stop_margin=0.0)
+    assert t.max_steps == 1
