@@ -107,3 +107,49 @@ def test_close_lets_go_of_the_batches_it_prepared():
     prepared = refs[1:]
     assert len(prepared) == depth + 1 and held["x"] is refs[0]()
     assert [r() for r in prepared] == [None] * len(prepared)
+
+
+def blocked_after(n, release):
+    """A source that hands out ``n`` batches, then waits (inside ``next()``) until ``release``."""
+    for i in range(n):
+        yield {"x": torch.full((2,), float(i))}
+    release.wait(GUARD_S)
+    yield {"x": torch.zeros(2)}
+
+
+def filled_epoch(depth, release):
+    epoch = iter(StreamPrefetcher(blocked_after(depth, release), device="cpu", depth=depth))
+    deadline = time.monotonic() + GUARD_S   # a hang guard: wait until the queue holds every batch
+    while epoch._queue.qsize() < depth and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert epoch._queue.qsize() == depth
+    return epoch
+
+
+def test_a_close_without_join_frees_the_queue_at_once_and_never_joins():
+    # The garbage collector's close (join=False) must not wait for a thread stuck in its source,
+    # and must still let go of the prepared batches then, not when the thread next wakes up.
+    release = threading.Event()
+    epoch = filled_epoch(3, release)
+    joins = []
+    real_join = epoch.thread.join
+    epoch.thread.join = lambda *a, **k: joins.append(a)
+    epoch.close(join=False)
+    assert joins == [] and epoch._queue.qsize() == 0
+    with pytest.raises(StopIteration):
+        next(epoch)                     # at once: not after the stuck source returns
+    assert epoch.thread.is_alive()      # (it is still inside the source)
+    release.set()
+    real_join(GUARD_S)
+    assert not epoch.thread.is_alive()
+    assert epoch._queue.qsize() == 0    # the batch it pulled after the stop is not queued
+
+
+def test_the_thread_notes_each_batch_it_prepared():
+    stats_source = Counting(5)
+    p = StreamPrefetcher(stats_source, device="cpu", depth=2)
+    assert len(list(p)) == 5
+    produced = list(p.stats.produced)
+    assert len(produced) == 5
+    assert all(start <= end and cpu_ms >= 0.0 for start, end, cpu_ms in produced)
+    assert [a[0] for a in produced] == sorted(a[0] for a in produced)
