@@ -153,3 +153,28 @@ def test_the_thread_notes_each_batch_it_prepared():
     assert len(produced) == 5
     assert all(start <= end and cpu_ms >= 0.0 for start, end, cpu_ms in produced)
     assert [a[0] for a in produced] == sorted(a[0] for a in produced)
+
+
+def test_a_source_slower_than_the_consumers_poll_still_yields_every_batch():
+    # The consumer polls every _POLL_S; a producer that takes longer than that per batch is
+    # alive and must be waited for, not taken for an ended epoch.
+    def slow():
+        for i in range(3):
+            time.sleep(3 * prefetch_thread._POLL_S)
+            yield {"i": i}
+
+    assert [b["i"] for b in StreamPrefetcher(slow(), device="cpu", depth=2)] == [0, 1, 2]
+
+
+def test_the_producers_cpu_time_is_its_own_and_in_milliseconds():
+    def computes():
+        for i in range(2):
+            c = time.thread_time()
+            while time.thread_time() - c < 0.02:   # 20 ms of this thread's CPU, by its own clock
+                pass
+            yield {"i": i}
+
+    p = StreamPrefetcher(computes(), device="cpu", depth=1)
+    assert len(list(p)) == 2
+    for start, end, cpu_ms in p.stats.produced:
+        assert 20.0 <= cpu_ms <= (end - start) * 1e3 + 1.0
