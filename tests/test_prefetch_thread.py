@@ -178,3 +178,26 @@ def test_the_producers_cpu_time_is_its_own_and_in_milliseconds():
     assert len(list(p)) == 2
     for start, end, cpu_ms in p.stats.produced:
         assert 20.0 <= cpu_ms <= (end - start) * 1e3 + 1.0
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_last_item_put_just_after_the_consumers_poll_timed_out_is_still_delivered(fail):
+    # The race the liveness check covers: the consumer's timed get() gives up, the thread then puts
+    # its last item (the end, or the source's error) and exits. Played deterministically: the
+    # thread has finished, and the consumer's timed get() is made to miss what is queued.
+    import queue
+
+    epoch = iter(StreamPrefetcher(Counting(0, fail=fail), device="cpu", depth=2))
+    epoch.thread.join(GUARD_S)
+    assert not epoch.thread.is_alive() and epoch._queue.qsize() == 1
+
+    real_get = epoch._queue.get
+
+    def missed(block=True, timeout=None):
+        if block:                      # the timed get() misses; get_nowait() (block=False) sees it
+            raise queue.Empty
+        return real_get(block=False)
+
+    epoch._queue.get = missed
+    with pytest.raises(ValueError if fail else StopIteration):
+        next(epoch)
