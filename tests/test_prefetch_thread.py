@@ -201,3 +201,20 @@ def test_the_last_item_put_just_after_the_consumers_poll_timed_out_is_still_deli
     epoch._queue.get = missed
     with pytest.raises(ValueError if fail else StopIteration):
         next(epoch)
+
+
+def test_a_batch_put_while_close_joins_is_let_go_of_too():
+    # The other race: the producer was inside put() when close() drained, and its batch lands in
+    # the queue while close() joins the thread. Played deterministically: the join puts it.
+    release = threading.Event()
+    epoch = filled_epoch(2, release)
+    real_join = epoch.thread.join
+
+    def join_after_a_late_put(timeout=None):
+        epoch._queue.put_nowait({"x": torch.ones(2)})
+        release.set()
+        real_join(timeout)
+
+    epoch.thread.join = join_after_a_late_put
+    epoch.close()
+    assert not epoch.thread.is_alive() and epoch._queue.qsize() == 0
