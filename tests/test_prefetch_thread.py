@@ -218,3 +218,18 @@ def test_a_batch_put_while_close_joins_is_let_go_of_too():
     epoch.thread.join = join_after_a_late_put
     epoch.close()
     assert not epoch.thread.is_alive() and epoch._queue.qsize() == 0
+
+
+def test_produce_notes_each_batchs_interval_and_cpu_time_exactly(monkeypatch):
+    # Scripted clocks: the interval is perf_counter's, the CPU time thread_time's, in ms exactly
+    # (the third pair is read before the source ends, and not noted).
+    import collections
+    import queue
+    import types
+    walls, cpus = iter([10.0, 10.5, 11.0, 11.25, 12.0]), iter([2.0, 2.125, 3.0, 3.0625, 4.0])
+    monkeypatch.setattr(prefetch_thread, "time",
+                        types.SimpleNamespace(perf_counter=lambda: next(walls), thread_time=lambda: next(cpus)))
+    out, produced = queue.Queue(), collections.deque()
+    prefetch_thread.produce(iter([1, 2]), lambda x: x * 10, out, threading.Event(), produced)
+    assert [out.get_nowait() for _ in range(3)] == [10, 20, prefetch_thread.END]
+    assert list(produced) == [(10.0, 10.5, 125.0), (11.0, 11.25, 62.5)]
