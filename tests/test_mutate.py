@@ -31,3 +31,22 @@ def test_a_weak_test_lets_mutants_survive_and_a_strong_one_kills_them(tmp_path, 
     assert "2/2 mutants killed (100%)" in capsys.readouterr().out
     assert (tmp_path / "toy.py").read_text() == TOY   # the real tree is never left mutated
     assert sys.modules.get("toy") is None
+
+
+WIDE = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(12))
+
+
+def test_max_spreads_the_sample_and_offset_takes_a_different_one(tmp_path, capsys):
+    (tmp_path / "wide.py").write_text(WIDE)
+    every = [f"wide.py:{m.line}: {m.what}" for m in mutate.mutants(WIDE)]
+
+    def listed(*extra):
+        assert mutate.main(["wide.py", "--root", str(tmp_path), "--tests", "x", "--list", *extra]) == 0
+        return capsys.readouterr().out.splitlines()
+
+    assert listed() == every
+    first = listed("--max", "4")
+    assert len(first) == 4 and first[0] == every[0] and first[-1] == every[-1]   # the ends, spread between
+    second = listed("--max", "4", "--offset", "2")
+    assert len(second) == 4 and not set(first) & set(second) and set(second) <= set(every)
+    assert listed("--max", "1", "--offset", "3") == [every[3]]

@@ -115,7 +115,7 @@ class Reduction:
         raise ValueError(f"shard_optimizer() needs GradSync(model, mode='sharded'); this GradSync has "
                          f"mode={mode!r}, which all-reduces full gradients: step the optimizer as it is")
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_([p for _, p in self.wiring.hooked], max_norm, norm_type,
                                               error_if_nonfinite, foreach)
 

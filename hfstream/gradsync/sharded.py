@@ -265,7 +265,7 @@ class ShardedReduction(Reduction):
             if edited:
                 st.shard.refresh(edited)
 
-    def clip_grad_norm_(self, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach) -> torch.Tensor:
         if not self.attached:
             if self.wiring.world_size > 1:
                 raise RuntimeError("GradSync(mode='sharded').clip_grad_norm_() needs the sharded optimizer: call "

@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", default=".", help="the tree to copy (default: the current folder)")
     parser.add_argument("--lines", help="A-B: only mutants on these lines")
     parser.add_argument("--max", type=int, default=0, help="at most this many mutants, spread evenly")
+    parser.add_argument("--offset", type=int, default=0,
+                        help="with --max: shift the even sample by this many mutants (a second, different sample)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
     args = parser.parse_args(argv)
@@ -147,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = tuple(int(x) for x in args.lines.split("-")) if args.lines else None
     todo = mutants(source, lines)
     if args.max and len(todo) > args.max:
-        todo = [todo[round(k * (len(todo) - 1) / (args.max - 1))] for k in range(args.max)] if args.max > 1 \
-            else todo[:1]
+        n = len(todo)
+        todo = [todo[(round(k * (n - 1) / (args.max - 1)) + args.offset) % n] for k in range(args.max)] \
+            if args.max > 1 else [todo[args.offset % n]]
     if args.list:
         for m in todo:
             print(f"{module}:{m.line}: {m.what}")
