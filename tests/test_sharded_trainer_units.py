@@ -240,3 +240,47 @@ def test_tensors_finds_every_tensor_in_nested_arguments():
     a, b, c, d = (torch.zeros(1) for _ in range(4))
     found = list(st._tensors((a, [b, (c,)], "x", 3), {"k": {"d": d}, "n": None}))
     assert {id(t) for t in found} == {id(a), id(b), id(c), id(d)} and len(found) == 4
+
+
+def test_pre_forward_reads_stops_watching_when_its_block_ends():
+    model = Two()
+    with st.PreForwardReads(list(model.named_parameters()), model) as watch:
+        pass
+    model.a.weight.sum()     # no forward ran, but the block is over: the mode is off the stack
+    assert watch.read == []
+
+
+class FakeScheduler:
+    def state_dict(self):
+        import warnings
+        warnings.warn("first", FutureWarning)
+        warnings.warn("second", FutureWarning)
+        return {"last_epoch": 3}
+
+
+def fake_trainer(should_save):
+    calls = []
+
+    def optimizer_state_dict(keep):
+        calls.append(keep)
+        return {"state": {}, "param_groups": []}
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(should_save=should_save),
+                                    grad_sync=types.SimpleNamespace(optimizer_state_dict=optimizer_state_dict),
+                                    lr_scheduler=FakeScheduler())
+    return trainer, calls
+
+
+def test_save_optimizer_writes_the_stock_files_and_reissues_the_schedulers_warnings_as_stock_does(tmp_path):
+    trainer, calls = fake_trainer(should_save=True)
+    with pytest.warns(FutureWarning) as said:
+        st.save_optimizer(trainer, str(tmp_path))
+    assert [str(w.message) for w in said] == ["first", "second"]
+    assert calls == [True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["optimizer.pt", "scheduler.pt"]
+    assert torch.load(tmp_path / "scheduler.pt") == {"last_epoch": 3}
+
+
+def test_a_rank_that_does_not_save_still_joins_the_collective_and_writes_nothing(tmp_path):
+    trainer, calls = fake_trainer(should_save=False)
+    st.save_optimizer(trainer, str(tmp_path))
+    assert calls == [False] and list(tmp_path.iterdir()) == []

@@ -110,6 +110,11 @@ def test_checkpoint_holds_the_whole_optimizer_in_the_stock_format_and_complete_w
             assert set(ours["state"][i]) == set(s)
             for k, v in s.items():
                 torch.testing.assert_close(ours["state"][i][k], v, rtol=1e-5, atol=1e-7, msg=f"{name} state {i} {k}")
+        ours_dir, ddp_dir = tmp / f"sharded-{name}" / "checkpoint-20", tmp / f"ddp-{name}" / "checkpoint-20"
+        # The stock files, the scheduler's too, and hfstream's report beside them:
+        assert sorted(os.listdir(ours_dir)) == sorted(os.listdir(ddp_dir) + ["stream_report.json"])
+        schedulers = [torch.load(d / "scheduler.pt", weights_only=False) for d in (ours_dir, ddp_dir)]
+        assert schedulers[0] == schedulers[1] and schedulers[0]["last_epoch"] == 20
         weights = load_file(str(tmp / f"sharded-{name}" / "checkpoint-20" / "model.safetensors"))
         final = ranks[0][f"sharded-{name}"]["params"]
         for k, v in weights.items():   # save_model waited for the last step's all-gathers
