@@ -1,0 +1,153 @@
+"""Sharded paths the gloo tests did not take, on 2 gloo ranks: the backend's own reduce-scatter (NCCL's
+path), the gather wait where the backend enforces its timeout (NCCL's), which clip pieces count as
+whole parameters, `close()` leaving no hook behind, and the whole-form state dict refused before
+the optimizer is sharded.
+
+On gloo the reduce-scatter is an all-to-all plus a local sum (`collectives.reduces_locally`), so
+the path every other backend takes, the backend's reduce-scatter into the slice (or into a
+narrower wire's buffer, copied back), never ran here. gloo's own reduce-scatter work has no
+future (GradSync chains one), so the test gives that path a reduce-scatter with NCCL's semantics
+built from an all-reduce; it must train exactly like the local sum (two ranks: one addition, in
+either order the same) and within the wire's tolerance in bf16.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hfstream.testing import run_on_ranks
+from test_gradsync_sharded import CAPS, TiedFrozenBranch, from_bytes, loss_fn, make_batch, make_optimizer, \
+    to_bytes, train_parity
+
+
+class ReduceScatterWork:
+    """A reduce-scatter with NCCL's semantics (the sum of chunk ``rank`` in ``out``, in the wire's dtype)
+    from an all-reduce: gloo's own ``reduce_scatter_single`` work has no future, which GradSync needs."""
+
+    def __init__(self, out, flat, group):
+        import torch.distributed as dist
+
+        self.out, self.full = out, flat.clone()
+        self.rank, self.n = dist.get_rank(group), dist.get_world_size(group)
+        self.work = dist.all_reduce(self.full, group=group, async_op=True)
+        self.copied = False
+
+    def _copy(self, *_):
+        if not self.copied:
+            self.out.copy_(self.full.view(self.n, -1)[self.rank])
+            self.copied = True
+
+    def wait(self, *args, **kwargs):
+        ok = self.work.wait(*args, **kwargs)
+        self._copy()
+        return ok
+
+    def get_future(self):
+        return self.work.get_future().then(self._copy)
+
+
+def reduce_paths(rank, world_size):
+    from hfstream.gradsync import collectives
+
+    out = {"local": train_parity(rank, world_size, bucket_mb=CAPS["several"]),
+           "local_bf16": train_parity(rank, world_size, bucket_mb=CAPS["several"], comm_dtype="bf16")}
+    collectives.reduces_locally = lambda group: False   # the backend reduces, as NCCL does
+    collectives._reduce_scatter = lambda out, flat, op, group, async_op: ReduceScatterWork(out, flat, group)
+    out["backend"] = train_parity(rank, world_size, bucket_mb=CAPS["several"])
+    out["backend_bf16"] = train_parity(rank, world_size, bucket_mb=CAPS["several"], comm_dtype="bf16")
+    return to_bytes(out)
+
+
+def test_the_backends_own_reduce_scatter_trains_as_the_local_sum_does():
+    ranks = from_bytes(run_on_ranks(reduce_paths, 2, timeout=240))
+    want = ranks[0]["local"]["ref_trace"][-1]
+    for rank, out in enumerate(ranks):
+        assert out["local"]["final"].keys() == out["backend"]["final"].keys() == want.keys()
+        for name in want:
+            assert torch.equal(out["backend"]["final"][name], out["local"]["final"][name]), f"rank {rank} {name}"
+            assert torch.allclose(out["backend_bf16"]["final"][name], want[name], rtol=1e-2, atol=1e-3), name
+        # bf16 summed in bf16 by the backend, then copied back: not the local sum's fp32 addition
+        assert any(not torch.equal(out["backend_bf16"]["final"][n], out["local"]["final"][n]) for n in want)
+        assert out["backend"]["norms"] == out["local"]["norms"]
+
+
+class CountedWork:
+    def __init__(self, work, log):
+        self.work, self.log = work, log
+
+    def wait(self, *args, **kwargs):
+        self.log.append("timeout" if "timeout" in kwargs or args else "plain")
+        return self.work.wait(*args, **kwargs)
+
+    def get_future(self):
+        return self.work.get_future()
+
+
+def waits_and_pieces(rank, world_size):
+    from hfstream.gradsync import GradSync, collectives, faults, sharded
+
+    out = {}
+    for enforced in (False, True):
+        torch.manual_seed(1)
+        model = TiedFrozenBranch()
+        sync = GradSync(model, mode="sharded", bucket_mb=CAPS["several"])
+        try:
+            sync.optimizer_state_dict()
+            refused = None
+        except RuntimeError as exc:
+            refused = str(exc)
+        opt = sync.shard_optimizer(make_optimizer(model, "sgd"))
+        log, real_gather, real_enforces = [], collectives.launch_all_gather, faults.backend_enforces_timeout
+
+        def launch_all_gather(*a, **k):   # the parameters' gathers (a re-plan gathers state too: not counted)
+            work = real_gather(*a, **k)
+            return CountedWork(work, log) if sys._getframe(1).f_code.co_name == "_launch_gather" else work
+        collectives.launch_all_gather = launch_all_gather
+        faults.backend_enforces_timeout = lambda group: enforced
+        owners = []
+        real_clip = sharded.shard_optim.clip_grad_norm_
+
+        def clip(tensors, own, *a, **k):
+            owners.extend((t.numel(), i, whole) for t, (i, whole) in zip(tensors, own))
+            return real_clip(tensors, own, *a, **k)
+        sharded.shard_optim.clip_grad_norm_ = clip
+        try:
+            for step in range(2):
+                loss_fn(model, [t[rank::2] for t in make_batch(step)]).backward()
+                sync.finish()
+                sync.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad()
+            sync.wait_for_params()
+        finally:
+            collectives.launch_all_gather, faults.backend_enforces_timeout = real_gather, real_enforces
+            sharded.shard_optim.clip_grad_norm_ = real_clip
+        hooked = [p.numel() for _, p in sync.hooked_parameters]
+        out[enforced] = {"waits": log, "buckets": len(sync.buckets), "owners": owners, "numels": hooked,
+                         "refused": refused}
+        sync.close()
+        out[enforced]["hooks_left"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+        out[enforced]["grad_hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+    return out
+
+
+def test_gathers_are_waited_with_gradsyncs_timeout_or_the_backends_and_close_leaves_no_hook():
+    for out in run_on_ranks(waits_and_pieces, 2, timeout=120):
+        for enforced, got in out.items():
+            # Every bucket's gather, both steps, waited once: with a timeout only where the backend has none.
+            assert got["waits"] == ["plain" if enforced else "timeout"] * (2 * got["buckets"]), got["waits"]
+            assert got["hooks_left"] == 0 and got["grad_hooks_left"] == 0
+            # The whole-form state dict before the optimizer is sharded: refused with what to call.
+            assert got["refused"] and "sync.shard_optimizer(optimizer) called" in got["refused"]
+
+
+def test_a_clip_piece_is_whole_exactly_when_it_holds_all_of_its_parameter():
+    for out in run_on_ranks(waits_and_pieces, 2, timeout=120):
+        owners, numels = out[False]["owners"], out[False]["numels"]
+        assert owners
+        flags = {whole for _, _, whole in owners}
+        assert flags == {True, False}   # the plan cuts some parameters between ranks, not all
+        for numel, i, whole in owners:
+            assert whole == (numel == numels[i]), (numel, i, numels[i])
