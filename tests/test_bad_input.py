@@ -143,3 +143,18 @@ def test_a_model_with_no_trainable_parameters_is_refused_before_training(tmp_pat
     trainer = StreamTrainer(model=model, args=args, train_dataset=[{"x": torch.zeros(4)}])
     with pytest.raises(ValueError, match="no trainable parameters.*requires_grad_"):
         trainer.train()
+
+
+@pytest.mark.parametrize("resume", ["missing", True])
+def test_a_checkpoint_that_is_not_there_gets_the_stock_trainers_own_error(tmp_path, resume):
+    # Drop-in: what a script catches under the stock Trainer it catches here (a missing path is
+    # left to the Trainer; only a present, damaged checkpoint is hfstream's to refuse).
+    from hfstream import StreamTrainer, StreamTrainingArguments
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    args = train_args(StreamTrainingArguments, tmp_path, max_steps=2, save_strategy="no")
+    trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(16))
+    want = "Can't find a valid checkpoint at" if resume == "missing" else "No valid checkpoint found in output directory"
+    with pytest.raises(ValueError, match=want) as refused:
+        trainer.train(resume_from_checkpoint=str(tmp_path / "nope") if resume == "missing" else True)
+    assert type(refused.value) is ValueError   # not hfstream's CheckpointError

@@ -101,3 +101,30 @@ def test_a_user_step_that_changes_grad_is_stepped_with_what_it_left(tmp_path, ru
     for out in run_distributed(_halved, 2, str(tmp_path), init_process_group=False, timeout=300):
         for k, v in out["PlainStep"].items():
             torch.testing.assert_close(out["HalvesGrad"][k], v, rtol=1e-6, atol=1e-7, msg=k)
+
+
+def _forwards_around_evaluation(rank, world_size, tmp):
+    model = tiny_causal_lm("gpt2", seed=rank)
+    trainer = StreamTrainer(model=model, train_dataset=lm_dataset(), eval_dataset=lm_dataset(8),
+                            args=train_args(StreamTrainingArguments, tmp, max_steps=4, grad_sync="sharded",
+                                            grad_bucket_mb=0.01, prefetch_depth=0, eval_strategy="steps",
+                                            eval_steps=2, per_device_eval_batch_size=4))
+    seen = []   # (training?, buckets whose gathers were not waited for yet) at each forward's start
+    model.register_forward_pre_hook(
+        lambda m, a: seen.append((m.training, len(trainer.grad_sync.params_pending)))
+        if trainer.grad_sync is not None else None)
+    trainer.train()
+    return seen
+
+
+def test_the_stock_step_overlaps_the_gathers_with_the_next_forward_and_waits_before_evaluation(tmp_path,
+                                                                                               run_distributed):
+    # Without the wait, evaluation's forward would wait layer by layer (values equal, its waits not
+    # counted as the step's); with a wait every step the gathers would no longer overlap the forward.
+    for seen in run_distributed(_forwards_around_evaluation, 2, str(tmp_path), init_process_group=False,
+                                timeout=300):
+        training = [n for t, n in seen if t]
+        evaluating = [n for t, n in seen if not t]
+        # Step 1 has nothing gathered yet; step 3 follows the evaluation after step 2, which waited.
+        assert [n > 0 for n in training] == [False, True, False, True], seen
+        assert evaluating and all(n == 0 for n in evaluating), seen   # every gather waited for before it

@@ -144,3 +144,20 @@ def test_the_pending_report_says_how_long_ago_each_unfinished_bucket_was_launche
     assert lines[1].startswith("  bucket 0: launched 2.") and "reduction not complete" in lines[1], lines
     assert lines[2] == "  bucket 2: never became ready; no gradient yet for b", lines   # bucket 1 completed
     assert len(lines) == 3
+
+
+def test_a_stuck_step_is_described_by_who_owns_the_reduction(tmp_path):
+    import types
+
+    from hfstream import StreamTrainer, StreamTrainingArguments
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    args = train_args(StreamTrainingArguments, tmp_path, max_steps=1)
+    trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(8))
+    assert trainer.grad_sync is None   # one process: hfstream reduces nothing
+    assert trainer._describe_stuck_step().startswith(f"grad_sync={trainer.grad_sync_mode!r}: hfstream does not own")
+    trainer.grad_sync = types.SimpleNamespace(pending_report=lambda: "bucket 2 (h.0.w) launched 3.0 s ago")
+    assert trainer._describe_stuck_step() == "bucket 2 (h.0.w) launched 3.0 s ago"
+    trainer.grad_sync = types.SimpleNamespace(pending_report=lambda: "")
+    assert trainer._describe_stuck_step() == "GradSync has nothing pending: the step is in forward or backward"
+    trainer.grad_sync = None
