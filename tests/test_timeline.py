@@ -377,3 +377,55 @@ def test_a_steps_communication_adds_up_over_the_stats_it_is_given():
     assert (p.comm_busy_ms, p.exposed_comm_ms) == (6.5, 1.5)   # NaN where not measured, until a number comes
     assert (p.all_gather_busy_ms, p.all_gather_exposed_ms) == (1.5, 0.25)
     assert [name for name, *_ in p.comm_spans] == ["bucket 0", "bucket 1", "gather 0"]
+
+
+def test_host_intervals_cover_the_data_wait_forward_and_backward_in_order(monkeypatch):
+    # What the advice reads of the host's time (`measure_data_side`): each part of a step, in order,
+    # with the thread's CPU time in it (clocks that tick at each read).
+    import itertools
+
+    import hfstream.timeline as timeline_module
+    walls, cpus = itertools.count(10.0, 0.125), itertools.count(1.0, 0.0625)
+    monkeypatch.setattr(timeline_module.time, "perf_counter", lambda: next(walls))
+    monkeypatch.setattr(timeline_module.time, "thread_time", lambda: next(cpus))
+    tl = StepTimeline()
+    tl.begin_step(1)
+    start = tl._cur.host_start
+    tl.data_ready()
+    tl.forward_start()
+    tl.forward_end()
+    tl.backward_end()
+    assert [kind for kind, *_ in tl.host_intervals] == ["data", "forward", "backward"], tl.host_intervals
+    (_, d0, d1, dcpu), (_, f0, f1, fcpu), (_, b0, b1, bcpu) = tl.host_intervals
+    assert d0 == start < d1 <= f0 < f1 == b0 < b1
+    assert dcpu > 0 and fcpu > 0 and bcpu > 0 and dcpu % 62.5 == 0   # whole ticks of the CPU clock, in ms
+
+
+class PlacedLater:
+    """A step's deferred stats that record where they were placed from."""
+
+    def __init__(self):
+        self.placed = []
+
+    def ready(self):
+        return True
+
+    def place_from(self, host_time, event):
+        self.placed.append((host_time, event))
+
+    def __call__(self):
+        return types.SimpleNamespace(comm_busy_ms=1.0, exposed_comm_ms=0.0, bucket_spans=[])
+
+
+def test_deferred_stats_are_placed_on_the_device_clock_only_where_there_are_device_events(monkeypatch):
+    cpu = StepTimeline()
+    cpu.begin_step(1)
+    late = PlacedLater()
+    cpu.add_comm_later(late)
+    assert late.placed == []          # on CPU every span is a host time already
+    gpu = FakeGPU()
+    dev = _device_timeline(monkeypatch, gpu)
+    dev.begin_step(1)
+    late = PlacedLater()
+    dev.add_comm_later(late)
+    assert len(late.placed) == 1 and late.placed[0] == (dev._cur.host_start, dev._cur.start)
