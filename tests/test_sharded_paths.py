@@ -151,3 +151,45 @@ def test_a_clip_piece_is_whole_exactly_when_it_holds_all_of_its_parameter():
         assert flags == {True, False}   # the plan cuts some parameters between ranks, not all
         for numel, i, whole in owners:
             assert whole == (numel == numels[i]), (numel, i, numels[i])
+
+
+class SometimesBranch(torch.nn.Module):
+    """A branch the forward runs in odd steps only: its bucket's gather is not waited by any forward in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = torch.nn.Linear(5, 5)
+        self.branch = torch.nn.Linear(5, 5)
+        self.use_branch = True
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return h + self.branch(h) if self.use_branch else h
+
+
+def branch_some_steps(rank, world_size):
+    from hfstream.gradsync import GradSync
+
+    torch.manual_seed(0)
+    model = SometimesBranch()
+    sync = GradSync(model, mode="sharded", bucket_mb=0.0)   # a bucket per parameter
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        model.use_branch = step % 2 == 0      # used in step 0 (whose forward planned the waits), then not
+        model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
+        sync.finish()
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    sync.close()
+    return to_bytes(state)
+
+
+def test_a_bucket_no_forward_waited_for_is_waited_for_before_its_next_reduce_scatter():
+    # Its gather is still in flight when finish() launches it again (every rank launches every
+    # bucket): launching would refuse the phase change, or the reduce-scatter race the gather.
+    states = from_bytes(run_on_ranks(branch_some_steps, 2, timeout=120))
+    assert states[0].keys() == states[1].keys()
+    for k in states[0]:
+        assert torch.equal(states[0][k], states[1][k]), k
