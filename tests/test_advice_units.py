@@ -154,3 +154,17 @@ def test_the_facts_of_a_trainer_are_read_from_its_sync_args_and_node(monkeypatch
     # An accelerator that does not say how many processes: one, and nothing to synchronise.
     alone = facts_from_trainer(_trainer(types.SimpleNamespace()))
     assert (alone.grad_sync, alone.world_size) == (None, 1)
+
+
+def test_counts_are_singular_for_one_only():
+    from hfstream.advice import _count
+    assert [_count(n, "bucket") for n in (0, 1, 2)] == ["0 buckets", "1 bucket", "2 buckets"]
+
+
+def test_a_step_under_a_millisecond_is_still_measured():
+    # A tiny model's step (0.5 ms) is a step, not "not measured".
+    from hfstream.advice import advise
+    tiny = {k: v / 232 for k, v in MEAN.items()}   # the same shape, 0.5 ms a step
+    why = []
+    advise(tiny, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=25.0), ruled_out=why)
+    assert not any("no step was measured" in w for w in why), why
