@@ -59,20 +59,23 @@ def test_a_narrow_wire_is_summed_in_the_parameters_dtype(world):
     assert out.item() == sum(c.item() for c in chunks)
 
 
+def counting_copies(t: torch.Tensor) -> list:
+    """``t.copy_`` still copies, and each call's source is noted in the list returned."""
+    copies, real = [], t.copy_
+    t.copy_ = lambda src, *a, **k: copies.append(src) or real(src, *a, **k)
+    return copies
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_on_the_same_dtype_the_first_two_chunks_are_added_straight_into_out(world):
     # The fast path the docstring claims (one pass over memory fewer): no copy into ``out`` first.
     received = torch.arange(world * 3, dtype=torch.float32)
     out = torch.zeros(3)
-    copies = []
-    real_copy = out.copy_
-    out.copy_ = lambda src, *a, **k: copies.append(src) or real_copy(src, *a, **k)
+    copies = counting_copies(out)
     collectives.sum_received(received, out, world)
     assert copies == [] and torch.equal(out, received.view(world, 3).sum(0))
     narrow = torch.zeros(3)
-    narrow_copies = []
-    real_narrow = narrow.copy_
-    narrow.copy_ = lambda src, *a, **k: narrow_copies.append(src) or real_narrow(src, *a, **k)
+    narrow_copies = counting_copies(narrow)
     collectives.sum_received(received.to(torch.bfloat16), narrow, world)
     assert len(narrow_copies) == 1   # a narrower wire is copied into the parameters' dtype once
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from hfstream.tools import mutate
 
 TOY = "def clamp(x, hi):\n    if x > hi:\n        return hi\n    return x\n"
@@ -50,3 +52,13 @@ def test_max_spreads_the_sample_and_offset_takes_a_different_one(tmp_path, capsy
     second = listed("--max", "4", "--offset", "2")
     assert len(second) == 4 and not set(first) & set(second) and set(second) <= set(every)
     assert listed("--max", "1", "--offset", "3") == [every[3]]
+
+
+@pytest.mark.parametrize("extra, said", [(["--offset", "2"], "give --max N too"),
+                                         (["--max", "3", "--offset", "-1"], "numbers >= 0"),
+                                         (["--max", "-3"], "numbers >= 0")])
+def test_an_offset_without_a_sample_or_a_negative_count_is_refused_by_name(tmp_path, capsys, extra, said):
+    (tmp_path / "wide.py").write_text(WIDE)
+    with pytest.raises(SystemExit) as stopped:
+        mutate.main(["wide.py", "--root", str(tmp_path), "--tests", "x", "--list", *extra])
+    assert stopped.value.code == 2 and said in capsys.readouterr().err

@@ -401,20 +401,16 @@ def test_host_intervals_cover_the_data_wait_forward_and_backward_in_order(monkey
     assert dcpu > 0 and fcpu > 0 and bcpu > 0 and dcpu % 62.5 == 0   # whole ticks of the CPU clock, in ms
 
 
-class PlacedLater:
-    """A step's deferred stats that record where they were placed from."""
+class PlacedLater(LateStats):
+    """`LateStats`, complete, that also records where it was placed from."""
+
+    done = True
 
     def __init__(self):
         self.placed = []
 
-    def ready(self):
-        return True
-
     def place_from(self, host_time, event):
         self.placed.append((host_time, event))
-
-    def __call__(self):
-        return types.SimpleNamespace(comm_busy_ms=1.0, exposed_comm_ms=0.0, bucket_spans=[])
 
 
 def test_deferred_stats_are_placed_on_the_device_clock_only_where_there_are_device_events(monkeypatch):

@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per mutant's test run")
     parser.add_argument("--list", action="store_true", help="list the mutants and stop")
     args = parser.parse_args(argv)
+    if args.offset and not args.max:
+        parser.error("--offset shifts the --max sample: give --max N too")
+    if args.offset < 0 or args.max < 0:
+        parser.error(f"--max and --offset count mutants: give numbers >= 0 (got --max {args.max}, --offset {args.offset})")
     root = Path(args.root).resolve()
     module = _module_path(root, args.module)
     source = (root / module).read_text()
