@@ -168,3 +168,29 @@ def test_a_step_under_a_millisecond_is_still_measured():
     why = []
     advise(tiny, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=25.0), ruled_out=why)
     assert not any("no step was measured" in w for w in why), why
+
+
+def test_communication_under_a_millisecond_is_still_communication():
+    # Collectives that took 0.5 ms in flight were measured: the comm advice models them. Only a run
+    # with no communication time at all is ruled out as "not measured".
+    plan = lambda cap: [int(cap * 2**20)] * 4   # noqa: E731
+    facts = RunFacts(grad_sync="overlap", world_size=2, bucket_mb=4.0, plan=plan)
+    for busy, said in ((0.5, False), (0.0, True)):
+        why = []
+        advise(dict(MEAN, comm_busy_ms=busy, exposed_comm_ms=busy), facts, ruled_out=why)
+        assert any("no communication time measured" in w for w in why) == said, (busy, why)
+
+
+def test_a_partly_overlapped_compute_interval_is_neither_with_nor_without_the_producer():
+    # The step thread's CPU share is read from compute intervals the producer covered (half or
+    # more: "with") or hardly touched (a tenth or less: "without"); one covered by 30 % is neither.
+    from hfstream.advice import measure_data_side
+    ms = 1e-3
+    produced = [(0.0, 0.01, 9.0)] + [(t, t + 100 * ms, 90.0) for t in (1.0, 3.07, 5.0, 6.0)]
+    host = ([("forward", 0.0, 0.01, 9.0), ("backward", 0.02, 0.03, 9.0)]    # the first step, skipped
+            + [("forward", 1.0, 1.1, 60.0),                                   # covered: share 1
+               ("backward", 2.0, 2.1, 95.0),                                  # untouched: share 0
+               ("forward", 3.0, 3.1, 10.0)])                                  # covered 30 %: neither
+    side = measure_data_side(host, produced)
+    assert side.where == "thread" and side.batches == 4
+    assert side.share_with == pytest.approx(0.6) and side.share_without == pytest.approx(0.95)
