@@ -317,8 +317,8 @@ def test_auto_under_sharded_scores_and_says_whole_steps(monkeypatch, whole_step)
         names = ("w",)
 
     cap = tune.AutoBucketCap(lambda mb: [Plan()], None, torch.device("cpu"), whole_step=whole_step)
-    assert (cap.tuner.statistic, cap.tuner.scored_steps, cap.tuner.tie_within_noise) == (
-        ("median", 5, True) if whole_step else ("min", 2, False))
+    assert (cap.tuner.statistic, cap.tuner.scored_steps, cap.tuner.tie_within_noise, cap.tuner.rematch) == (
+        ("median", 5, True, True) if whole_step else ("min", 2, False, False))
     cap._slowest_rank = cap._rank0_pick = lambda v: v    # one process: nothing to agree with
     cap.tuner.agree = cap._slowest_rank
     cap._last_end = tune._mark(torch.device("cpu"))

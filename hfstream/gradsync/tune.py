@@ -21,7 +21,11 @@ which goes to the larger cap: fewer collectives for the same time. The noise is 
 (half the spread of the scored steps, either candidate's, over the square root of their number),
 and a tie is never more than 2 % above the best: with half the spread alone, five whole steps whose
 data varied made every cap a tie of the next, and at 1000 Mbit/s the choice went to 16 MiB at
-388 ms where 0.25 MiB scored 353 (2026-12-02). The ranks agree on scores and noise
+388 ms where 0.25 MiB scored 353 (2026-12-02). Scored one after another, two caps a few per cent
+apart are also separated by when they ran (the machine's load drifts over a minute), so under
+``whole_step`` the sweep ends with a rematch (``rematch``): the two best are scored once more, in
+the reverse of the order the sweep tried them (A B ... B A, which cancels a steady drift), and each
+one's score is the median of all its scored steps. The ranks agree on scores and noise
 with a MAX all-reduce (a step is as slow as its slowest rank), so every rank holds the same
 scores; at the end rank 0 picks the lowest and broadcasts its pick. Every rank therefore switches
 to the same plan at the same step, even when their own timings would disagree.
@@ -30,9 +34,9 @@ Candidates are 0.25, 0.5, 1, 2, 4, 8, 16 and 32 MiB, minus those that cut this m
 like a smaller one. Step time against bucket size is U-shaped (small buckets pay the
 per-collective latency many times, large ones start communicating late), so the sweep stops at
 the first candidate that scores more than ``stop_margin`` (10%) above the best so far: larger
-caps only start later still. Tuning therefore ends after at most ``len(candidates) x
-(warmup_steps + scored_steps)`` synchronised steps, 24 with the defaults (48 under sharded's 5
-scored steps), usually fewer.
+caps only start later still. Tuning therefore ends after at most ``(len(candidates) + 2) x
+(warmup_steps + scored_steps)`` synchronised steps with the rematch, ``len(candidates) x ...``
+without: 24 with the defaults, 60 under sharded's 5 scored steps and rematch, usually fewer.
 Re-planning happens inside ``finish()``, after the step's gradients are written back, on every
 rank at the same step: no gradient is lost or counted twice.
 """
@@ -101,6 +105,8 @@ class BucketTuner:
             of ``scored_steps``, and at most ``tie_margin`` of the lowest score. Otherwise the
             lowest score wins, ties to the smaller cap.
         tie_margin: the most a tie may cost, as a fraction of the lowest score.
+        rematch: after the sweep, score the two best candidates once more, the one tried later
+            first (A B ... B A); each one's score is then the statistic of all its scored steps.
     """
 
     candidates_mb: Sequence[float]
@@ -112,9 +118,10 @@ class BucketTuner:
     statistic: str = "min"
     tie_within_noise: bool = False
     tie_margin: float = 0.02
+    rematch: bool = False
     steps: int = 0
-    scores_ms: list[float] = field(default_factory=list)   # agreed score per finished candidate
-    noise_ms: list[float] = field(default_factory=list)    # agreed half-spread of the scored steps per finished candidate
+    scores_ms: list[float] = field(default_factory=list)   # agreed score per candidate the sweep finished
+    noise_ms: list[float] = field(default_factory=list)    # agreed half-spread of its scored steps, likewise
     done: bool = False
 
     def __post_init__(self):
@@ -125,18 +132,17 @@ class BucketTuner:
                              f"and stop_margin={self.stop_margin} >= 0")
         if self.statistic not in ("min", "median"):
             raise ValueError(f"statistic={self.statistic!r} must be 'min' or 'median'")
-        self._local: list[float] = []   # this rank's scored steps for the current candidate
-        self._within = 0                 # steps taken on the current candidate
+        self.current = 0                            # index of the candidate in use (once done: the last one tried)
+        self.rematched: list[int] = []              # the candidates scored again after the sweep, in that order
+        self._samples: dict[int, list[float]] = {}  # this rank's scored steps, per candidate
+        self._next: list[int] = []                  # the rematch's candidates still to score
+        self._within = 0                            # steps taken on the current candidate
 
     @property
     def max_steps(self) -> int:
         """Synchronised steps tuning takes at most: a bound known in advance."""
-        return len(self.candidates_mb) * (self.warmup_steps + self.scored_steps)
-
-    @property
-    def current(self) -> int:
-        """Index of the candidate in use for the next step (once done: the last one tried)."""
-        return len(self.scores_ms) - 1 if self.done else len(self.scores_ms)
+        again = min(2, len(self.candidates_mb) - 1) if self.rematch else 0
+        return (len(self.candidates_mb) + again) * (self.warmup_steps + self.scored_steps)
 
     @property
     def current_mb(self) -> float:
@@ -148,20 +154,35 @@ class BucketTuner:
             raise RuntimeError("BucketTuner.observe() after tuning is done")
         self.steps += 1
         self._within += 1
+        i = self.current
         if self._within > self.warmup_steps:
-            self._local.append(float(score_ms))
+            self._samples.setdefault(i, []).append(float(score_ms))
         if self._within < self.warmup_steps + self.scored_steps:
             return
         # The candidate is done: agree on its score (a collective, at this step on every rank).
-        local = sorted(self._local)
-        mine = local[0] if self.statistic == "min" else _median(local)
-        score = float(self.agree(mine))
-        if self.tie_within_noise:
-            self.noise_ms.append(float(self.agree((local[-1] - local[0]) / 2)))
-        best = min(self.scores_ms, default=score)
-        self.scores_ms.append(score)
-        self._local, self._within = [], 0
-        if len(self.scores_ms) == len(self.candidates_mb) or score > best * (1 + self.stop_margin):
+        self._within = 0
+        local = sorted(self._samples[i])
+        score = float(self.agree(local[0] if self.statistic == "min" else _median(local)))
+        noise = float(self.agree((local[-1] - local[0]) / 2)) if self.tie_within_noise else None
+        if self.rematched:                # a rematch: the candidate's score from all its steps
+            self.scores_ms[i] = score
+            if noise is not None:
+                self.noise_ms[i] = noise
+        else:
+            best = min(self.scores_ms, default=score)
+            self.scores_ms.append(score)
+            if noise is not None:
+                self.noise_ms.append(noise)
+            if len(self.scores_ms) < len(self.candidates_mb) and score <= best * (1 + self.stop_margin):
+                self.current += 1
+                return
+            if self.rematch and len(self.scores_ms) > 1:
+                two = sorted(range(len(self.scores_ms)), key=self.scores_ms.__getitem__)[:2]
+                self.rematched = sorted(two, reverse=True)   # the later-tried first: A B ... B A
+                self._next = list(self.rematched)
+        if self._next:
+            self.current = self._next.pop(0)
+        else:
             self.done = True
 
     def pick(self) -> int:
@@ -170,9 +191,9 @@ class BucketTuner:
         if not self.tie_within_noise:
             return best
         low = self.scores_ms[best]
-        root_n = self.scored_steps ** 0.5
 
         def within(i: int) -> float:
+            root_n = min(len(self._samples[i]), len(self._samples[best])) ** 0.5
             return min(max(self.noise_ms[i], self.noise_ms[best]) / root_n, self.tie_margin * low)
 
         ties = [i for i in range(len(self.scores_ms)) if self.scores_ms[i] - low <= within(i)]
@@ -190,7 +211,9 @@ class BucketTuner:
             scores_ms={float(c): s for c, s in zip(self.candidates_mb, self.scores_ms)},
             steps=self.steps,
             scored=(f"{'best' if self.statistic == 'min' else 'median'} of {self.scored_steps} steps, slowest rank"
-                    + (f", a tie within a median's noise (at most {self.tie_margin:.0%}) to the larger cap"
+                    + (f"; the two best ({', '.join(f'{self.candidates_mb[i]:g}' for i in sorted(self.rematched))} MiB) "
+                       f"scored again, of {2 * self.scored_steps} steps" if self.rematched else "")
+                    + (f"; a tie within a median's noise (at most {self.tie_margin:.0%}) to the larger cap"
                        if self.tie_within_noise else "")),
         )
 
@@ -247,11 +270,7 @@ class AutoBucketCap:
     def __init__(self, plan_for: Callable[[float], list], group, device: torch.device, whole_step: bool = False):
         self.group, self.device, self.whole_step = group, device, whole_step
         caps, counts = distinct_candidates(plan_for, CANDIDATES_MB)
-        if whole_step:   # a whole step: the median of more steps, a tie within the noise to the larger cap
-            self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank, scored_steps=5, statistic="median",
-                                     tie_within_noise=True)
-        else:
-            self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank)
+        self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank, **_settings(whole_step))
         self.scored = ("whole step: end of one finish() to the end of the next" if whole_step
                        else "first gradient hook to end of finish()")
         self._start = None   # (host time, event or None, device) of the step's first synchronised hook
@@ -297,6 +316,20 @@ class AutoBucketCap:
         t = torch.tensor([index], dtype=torch.int64, device=self.device)
         dist.broadcast(t, src=dist.get_global_rank(self.group, 0), group=self.group)
         return int(t.item())
+
+
+def _settings(whole_step: bool) -> dict:
+    """`BucketTuner`'s settings under `AutoBucketCap`: a whole step varies more, so the median of
+    more steps, the two best again, and a tie within the noise to the larger cap."""
+    if whole_step:
+        return dict(scored_steps=5, statistic="median", tie_within_noise=True, rematch=True)
+    return {}
+
+
+def max_auto_steps() -> int:
+    """The most synchronised steps ``bucket_mb="auto"`` can tune for, in either scoring (all candidates distinct)."""
+    n = len(CANDIDATES_MB)
+    return max(BucketTuner(CANDIDATES_MB, [1] * n, **_settings(w)).max_steps for w in (False, True))
 
 
 def _mark(device) -> tuple:

@@ -34,10 +34,11 @@ import threading
 import time
 
 from hfstream.gradsync import DDP_BUCKET_MB, GradSync, union_length
+from hfstream.gradsync.tune import max_auto_steps
 
 from .config import MODES, BenchConfig, ModelSpec
 
-AUTO_TUNING_MAX_STEPS = 60   # bound on the extra warm-up an "auto" session takes to finish tuning
+AUTO_TUNING_MAX_STEPS = max_auto_steps()   # bound on the extra warm-up an "auto" session takes to finish tuning
 AUTO_MODES = ("overlap-auto", "sharded")   # the compared modes whose GradSync runs bucket_mb="auto"
 
 
