@@ -60,3 +60,37 @@ def test_finish_returns_after_every_buckets_completion_and_nothing_is_pending_be
         for done, n in out:
             assert n > 1 and done == list(range(n)), (done, n)
         assert reports == ["", "", ""]
+
+
+def own_group_each(rank, world_size):
+    # Every rank builds every group, in the same order (torch's rule for new_group).
+    import torch.distributed as dist
+    groups = [dist.new_group([r]) for r in range(world_size)]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    sync = GradSync(model, process_group=groups[rank])
+    model(torch.full((1, 4), float(rank + 1))).sum().backward()
+    sync.finish()
+    out = (sync.world_size, sync.process_group is groups[rank], model.weight.grad.tolist())
+    sync.close()
+    return out
+
+
+def test_a_process_group_given_is_the_one_used_not_the_world(run_distributed):
+    # A rank alone in its group synchronises with nobody: its gradient stays its own, as DDP over
+    # a one-rank group. Taking WORLD instead would average the two ranks' gradients.
+    for rank, (world_size, same, grad) in enumerate(run_distributed(own_group_each, 2, timeout=120)):
+        assert world_size == 1 and same
+        assert grad == [[float(rank + 1)] * 4] * 2
+
+
+def test_the_last_bucket_cap_is_sharded_1_mib_unless_given():
+    wide = lambda: torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(40)])   # noqa: E731  2.5 MiB
+    for kwargs, want in ((dict(mode="sharded"), 1.0), (dict(mode="sharded", last_bucket_mb=3.0), 3.0),
+                         (dict(mode="overlap"), None), (dict(mode="overlap", last_bucket_mb=0.5), 0.5)):
+        with GradSync(wide(), bucket_mb=25.0, **kwargs) as sync:
+            assert sync.last_bucket_mb == want, kwargs
+            last = sync.buckets[-1].nbytes / 2**20   # the bucket backward fills last
+            # DDP's rule: a bucket closes once it reaches the cap, so it may pass it by one layer (64 KiB)
+            assert (last < want + 0.07) if want else len(sync.buckets) == 1, (kwargs, [b.nbytes for b in sync.buckets])
+            assert want is None or want >= 2.5 or len(sync.buckets) > 1, kwargs
