@@ -193,3 +193,89 @@ def test_a_bucket_no_forward_waited_for_is_waited_for_before_its_next_reduce_sca
     assert states[0].keys() == states[1].keys()
     for k in states[0]:
         assert torch.equal(states[0][k], states[1][k]), k
+
+
+# -- sharded.py's third mutation sample (docs/design.md): what no test reached ----------------------------
+
+
+def refusals_and_whole_state(rank, world_size):
+    from hfstream.gradsync import GradSync
+
+    out = {}
+    # A backward whose forward the hooks did not see as training (eval mode) before shard_optimizer.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    sync = GradSync(model, mode="sharded", bucket_mb=0.0)
+    model.eval()
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+        out["eval_backward"] = None
+    except RuntimeError as exc:
+        out["eval_backward"] = str(exc)
+    sync.close()
+    # A sparse gradient (an nn.Embedding(sparse=True)).
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    sync = GradSync(emb, mode="sharded", bucket_mb=0.0)
+    opt = sync.shard_optimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
+    try:
+        emb(torch.tensor([1, 2])).sum().backward()
+        sync.finish()
+        out["sparse"] = None
+    except RuntimeError as exc:
+        out["sparse"] = str(exc)
+    sync.close()
+    # The whole, layout-free optimizer state on 2 ranks: every parameter's AdamW state, whole.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+    sync = GradSync(model, mode="sharded", bucket_mb=0.0)
+    opt = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    for step in range(2):
+        model(torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + rank))).pow(2).sum().backward()
+        sync.finish()
+        opt.step()
+        opt.zero_grad()
+    whole = sync.optimizer_state_dict()
+    out["state"] = {i: {k: (list(v.shape), float(v.sum())) for k, v in s.items()} for i, s in whole["state"].items()}
+    out["shapes"] = [list(p.shape) for p in model.parameters()]
+    sync.close()
+    return out
+
+
+def test_sharded_refuses_by_name_and_gives_the_whole_optimizer_state_on_several_ranks():
+    outs = run_on_ranks(refusals_and_whole_state, 2, timeout=120)
+    for out in outs:
+        assert out["eval_backward"] and "shard_optimizer(optimizer) before" in out["eval_backward"], out
+        assert out["sparse"] and "sparse gradients ('weight')" in out["sparse"], out
+        state, shapes = out["state"], out["shapes"]
+        assert sorted(state) == list(range(len(shapes)))
+        for i, shape in enumerate(shapes):
+            assert state[i]["exp_avg"][0] == state[i]["exp_avg_sq"][0] == shape, (i, state[i])
+            assert state[i]["step"][1] == 2.0
+    assert outs[0]["state"] == outs[1]["state"]   # one whole state, the same on every rank
+
+
+def two_steps_without_a_forward(rank, world_size):
+    from hfstream.gradsync import GradSync
+
+    got = {}
+    for closure in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3))
+        sync = GradSync(model, mode="sharded", bucket_mb=0.0)
+        opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        model(torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))).pow(2).sum().backward()
+        sync.finish()
+        for _ in range(2):   # a second step on the same gradients, no forward between: its gathers wait the first's
+            opt.step((lambda: None) if closure else None)   # with a closure the step runs in one call
+        sync.wait_for_params()
+        got[closure] = to_bytes({k: v.clone() for k, v in model.state_dict().items()})
+        sync.close()
+    return got
+
+
+def test_two_steps_without_a_forward_between_them_give_the_same_parameters_in_one_call_or_bucket_by_bucket():
+    for got in run_on_ranks(two_steps_without_a_forward, 2, timeout=120):
+        pipelined, one_call = from_bytes([got[False], got[True]])
+        assert pipelined.keys() == one_call.keys() and pipelined
+        for k in pipelined:
+            assert torch.equal(pipelined[k], one_call[k]), k
