@@ -238,6 +238,7 @@ def test_batches_already_on_the_device_are_said_once_to_leave_nothing_to_copy(fa
 # -- one gradient group per trainer ---------------------------------------------------------------------
 def _gradient_group_reuse(rank, world_size, tmp):
     import torch.distributed as dist
+    from transformers import TrainerCallback
 
     from hfstream import StreamTrainer
     from hfstream import trainer as trainer_module
@@ -249,21 +250,26 @@ def _gradient_group_reuse(rank, world_size, tmp):
         made.append(dist.new_group(backend="gloo"))
         return made[-1]
 
+    class GroupInUse(TrainerCallback):   # the group the reductions run on, while they run
+        def on_step_end(self, args, state, control, **kwargs):
+            in_use.append(trainer.grad_sync.process_group is made[0])
+
     trainer_module.gradient_group = counting_group
+    in_use = []
     trainer = StreamTrainer(model=tiny_causal_lm("gpt2", seed=rank),
                             args=train_args(StreamTrainingArguments, f"{tmp}/out", grad_sync="overlap",
                                             prefetch_depth=0, max_steps=2),
-                            train_dataset=lm_dataset())
+                            train_dataset=lm_dataset(), callbacks=[GroupInUse()])
     for _ in range(2):
         trainer.train()
         used.append(trainer._grad_group is made[0])
-    return {"made": len(made), "used": used}
+    return {"made": len(made), "used": used, "in_use": in_use}
 
 
 @pytest.mark.multiprocess
 def test_one_gradient_group_per_trainer_is_reused_by_every_train_call(tmp_path, run_distributed):
     for out in run_distributed(_gradient_group_reuse, 2, str(tmp_path), init_process_group=False, timeout=300):
-        assert out == {"made": 1, "used": [True, True]}
+        assert out == {"made": 1, "used": [True, True], "in_use": [True] * 4}
 
 
 # -- make gpu-check part 6 on CPU -------------------------------------------------------------------------

@@ -351,7 +351,8 @@ def _l2_trainer(base):
 
 @scenario("l2-before-forward")
 def _l2_before_forward(side, rank, out_dir):
-    return _result(_train(side, rank, out_dir, trainer=_l2_trainer, **SGD))
+    t = _train(side, rank, out_dir, trainer=_l2_trainer, **SGD)
+    return _result(t, notes=list(getattr(t, "_notes", [])), before=getattr(t, "_reads_before_forward", None))
 
 
 class FreezeBlock0AtStep3(TrainerCallback):
@@ -485,7 +486,11 @@ def test_sharded_keeps_an_in_place_edit_made_after_wait_for_params(callback_runs
 
 def test_a_compute_loss_that_reads_the_parameters_before_the_forward_trains_like_stock(callback_runs):
     for out in callback_runs:
-        _same_run(out, "l2-before-forward", "sharded", ATOL["sgd"])
+        _, got = _same_run(out, "l2-before-forward", "sharded", ATOL["sgd"])
+        # Seen in the first step and said once: from then on every step waits for its gathers first.
+        assert got["before"] and got["before"][0] == "transformer.wte.weight", got["before"]
+        said = [n for n in got["notes"] if "L2.compute_loss reads parameters before the forward" in n]
+        assert len(said) == 1 and "no longer overlap the forward" in said[0], got["notes"]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])

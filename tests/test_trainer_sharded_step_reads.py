@@ -57,7 +57,8 @@ def _two_steps(rank, world_size, tmp):
         trainer.train()
         out[cls.__name__] = dict(reads=trainer._reads_gradients, notes=list(trainer._notes),
                                  params=params(trainer.model), seen=getattr(trainer, "seen", []),
-                                 pending=getattr(trainer, "pending", []), gathers=gathers[0])
+                                 pending=getattr(trainer, "pending", []), gathers=gathers[0],
+                                 before=trainer._reads_before_forward)
     return out
 
 
@@ -66,6 +67,10 @@ def test_a_user_step_keeps_the_sliced_gradients_unless_it_reads_them(tmp_path, r
         plain, reads = out["PlainStep"], out["ReadsGrad"]
         told = "reads or changes .grad inside the step"
         assert plain["reads"] is False and not any(told in n for n in plain["notes"]), plain["notes"]
+        # Neither step reads a parameter before its forward: decided in the first step (the watch is
+        # not installed again), and nothing said about it.
+        assert plain["before"] == reads["before"] == [], (plain["before"], reads["before"])
+        assert not any("before the forward" in n for n in plain["notes"] + reads["notes"])
         assert len(plain["pending"]) == 4 and all(n > 0 for n in plain["pending"][1:]), plain["pending"]
         assert reads["reads"] is True and sum(told in n for n in reads["notes"]) == 1, reads["notes"]
         assert len(reads["seen"]) == 4 and all(s > 0 for s in reads["seen"])   # whole mean gradients, every step

@@ -161,3 +161,23 @@ def test_a_stuck_step_is_described_by_who_owns_the_reduction(tmp_path):
     trainer.grad_sync = types.SimpleNamespace(pending_report=lambda: "")
     assert trainer._describe_stuck_step() == "GradSync has nothing pending: the step is in forward or backward"
     trainer.grad_sync = None
+
+
+def test_the_trainer_reports_at_half_ddp_timeout_and_ends_the_process_15_s_past_it(tmp_path, monkeypatch):
+    # The watchdog runs on several processes only: the world size is faked once the trainer is built.
+    from hfstream import StreamTrainer, StreamTrainingArguments
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    cases = {(None, 600): (300.0, 615.0), (30, 600): (30.0, 615.0), (900, 600): (900.0, 900.0), (0, 600): None}
+    for (limit, timeout), expected in cases.items():
+        args = train_args(StreamTrainingArguments, tmp_path, max_steps=1, ddp_timeout=timeout, step_watchdog_s=limit)
+        trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(8))
+        with monkeypatch.context() as patch:
+            patch.setattr(StreamTrainingArguments, "world_size", property(lambda self: 2))
+            trainer._watch("a phase")
+        watchdog = trainer._watchdog
+        try:
+            got = None if watchdog is None else (watchdog.report_after_s, watchdog.exit_after_s)
+            assert got == expected, (limit, timeout, got)
+        finally:
+            trainer._close_watchdog()
