@@ -425,3 +425,33 @@ def test_deferred_stats_are_placed_on_the_device_clock_only_where_there_are_devi
     late = PlacedLater()
     dev.add_comm_later(late)
     assert len(late.placed) == 1 and late.placed[0] == (dev._cur.host_start, dev._cur.start)
+
+
+def test_the_reports_json_keeps_every_value_and_writes_unmeasured_ones_as_null():
+    import json
+
+    from hfstream.timeline import StreamReport
+
+    row = {"step_ms": 12.5, "comm_busy_ms": math.nan, "steps": 3}
+    report = StreamReport(mean=row, per_rank=[row, {**row, "step_ms": 13.0}], spans=[[0, "compute", "forward", 0.0, 1.5]],
+                          grad_sync="overlap", notes=["a note"])
+    back = json.loads(report.to_json())
+    null = {**row, "comm_busy_ms": None}
+    assert back == {"mean": null, "per_rank": [null, {**null, "step_ms": 13.0}],
+                    "spans": [[0, "compute", "forward", 0.0, 1.5]], "grad_sync": "overlap", "notes": ["a note"]}
+
+
+def test_a_step_without_an_optimizer_mark_counts_its_optimizer_time_from_the_last_backward(monkeypatch):
+    # Two micro-steps; the step ends with no optimizer_start() (a caller of the timeline that does
+    # not mark it): what follows the last backward is the optimizer's, not what follows the first.
+    _host_clock(monkeypatch, [0.0, 0.0, 1.0, 1.0, 2.0, 4.0, 4.0, 5.0, 7.0, 10.0])
+    tl = StepTimeline()
+    tl.begin_step(1)          # the step's mark, the data wait's start
+    tl.data_ready()           # 1.0
+    for _ in range(2):
+        tl.forward_start()    # 1.0, then 4.0
+        tl.forward_end()      # 2.0, then 5.0
+        tl.backward_end()     # 4.0, then 7.0
+    tl.end_step()             # 10.0
+    (rec,) = tl.records
+    assert (rec.forward_ms, rec.backward_ms, rec.optimizer_ms, rec.step_ms) == (2.0, 4.0, 3.0, 10.0), rec

@@ -10,6 +10,7 @@ the prefetcher reads from hands it host tensors, which the prefetcher then copie
 from __future__ import annotations
 
 import torch
+from transformers import TrainerCallback
 
 from hfstream import StreamTrainer, StreamTrainingArguments
 from hfstream.gradsync.eager import ModelHook
@@ -63,6 +64,22 @@ def test_a_forward_in_eval_mode_inside_the_step_does_not_move_the_forward_mark(t
     # One forward and one backward interval per micro-step: 3 steps of 2. The eval forward ends
     # after the training forward; taken as a second end it would add a forward interval.
     assert kinds.count("forward") == 6 and kinds.count("backward") == 6, kinds
+
+
+class ForwardAtStepBegin(TrainerCallback):
+    """A probe in training mode at every step's start, before the step's own forward is marked."""
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            model(input_ids=torch.tensor(lm_dataset(n=2, seed=7)["input_ids"]))
+
+
+def test_a_forward_in_a_callback_before_the_steps_own_is_not_timed_as_the_step(tmp_path):
+    trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(), callbacks=[ForwardAtStepBegin()],
+                            args=train_args(StreamTrainingArguments, tmp_path, max_steps=3, prefetch_depth=0))
+    trainer.train()   # the stock Trainer finishes such a run; so must this one
+    kinds = [kind for kind, *_ in trainer._timeline.host_intervals]
+    assert trainer.state.global_step == 3 and kinds.count("forward") == 3, kinds
 
 
 def test_the_loader_hands_the_prefetcher_host_tensors_and_places_them_itself_without_one(tmp_path):
