@@ -194,3 +194,51 @@ def test_a_partly_overlapped_compute_interval_is_neither_with_nor_without_the_pr
     side = measure_data_side(host, produced)
     assert side.where == "thread" and side.batches == 4
     assert side.share_with == pytest.approx(0.6) and side.share_without == pytest.approx(0.95)
+
+
+def test_two_batches_past_the_first_measure_the_data_side_in_the_step():
+    from hfstream.advice import measure_data_side
+    host = [("data", 0.0, 0.5, 0.4), ("forward", 0.5, 0.6, 0.1), ("data", 1.0, 1.001, 0.2), ("data", 2.0, 2.002, 1.0)]
+    assert measure_data_side(host[:3]) is None                     # one batch past the warm-up: too few
+    side = measure_data_side(host)
+    assert (side.where, side.batches) == ("step", 2)
+    assert side.wall_ms == pytest.approx(1.5) and side.cpu_ms == pytest.approx(0.6)
+
+
+def test_a_report_with_no_step_says_so_and_advises_nothing():
+    why = []
+    assert advise(dict(MEAN, step_ms=0.0), RunFacts(grad_sync="overlap", world_size=2, bucket_mb=25.0), why) == []
+    assert why == ["no step was measured"]
+
+
+def test_changes_that_keep_results_come_first_then_the_larger_saving():
+    mean = dict(data_wait_ms=15, forward_ms=70, backward_ms=115, optimizer_ms=29, exposed_comm_ms=234,
+                comm_busy_ms=234, step_ms=470)
+    plan = lambda cap: [28_000_000] if cap >= 64 else [int(cap * 2**20)] * max(1, int(28_000_000 / (cap * 2**20)))  # noqa: E731
+    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=64.0, plan=plan, samples_per_step=8))
+    # Generated as bucket cap, wire dtype, accumulation; the wire dtype saves less than accumulation.
+    assert [a["setting"] for a in advice] == ["grad_bucket_mb", "gradient_accumulation_steps", "grad_comm_dtype"]
+    assert [a["changes_results"] for a in advice] == [False, True, True]
+    assert advice[1]["saving"] > advice[2]["saving"], advice
+
+
+def test_waiting_producers_are_counted_against_a_step_rest_under_a_millisecond():
+    # 2 ms a batch beside 0.5 ms of compute: four producers that wait side by side keep up.
+    mean = dict(data_wait_ms=1.5, forward_ms=0.2, backward_ms=0.3, optimizer_ms=0.0, exposed_comm_ms=0,
+                comm_busy_ms=float("nan"), step_ms=2.0)
+    waits = DataSide("thread", wall_ms=2.0, cpu_ms=0.1, batches=6)
+    advice = advise(mean, RunFacts(grad_sync=None, prefetch_depth=2, spare_cores=0, calibration={}, data=waits))
+    assert [(a["setting"], a["value"]) for a in advice] == [("dataloader_num_workers", 4)], advice
+
+
+def test_the_accumulation_advice_gives_the_time_per_sample_to_three_decimals_from_one_sample_a_step():
+    mean = dict(data_wait_ms=0, forward_ms=1.0, backward_ms=2.0, optimizer_ms=0.5, exposed_comm_ms=3.0,
+                comm_busy_ms=3.0, step_ms=6.6667)
+    facts = RunFacts(grad_sync="overlap", world_size=2, bucket_mb=None, samples_per_step=1, calibration={})
+    (acc,) = [a for a in advise(mean, facts) if a["setting"] == "gradient_accumulation_steps"]
+    assert acc["ms_per_sample"] == 6.667 and acc["predicted_ms_per_sample"] == pytest.approx(4.833, abs=1e-9)
+
+
+def test_the_facts_read_the_one_minute_load(monkeypatch):
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.25, 2.5, 5.0))
+    assert facts_from_trainer(_trainer(types.SimpleNamespace(num_processes=2))).loadavg_1min == 1.25
