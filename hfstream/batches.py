@@ -50,7 +50,6 @@ def _rebuild_mapping(obj: Mapping, items: dict) -> Mapping:
             return type(obj)(items)            # OrderedDict and most subclasses
         except TypeError:                      # e.g. defaultdict: keep its factory via a copy
             new = copy.copy(obj)
-            new.clear()
-            new.update(items)
+            new.update(items)                  # every key of obj: each value replaced
             return new
     return type(obj)(items)

@@ -66,6 +66,18 @@ def test_a_truncated_file_is_named_with_the_way_out(tmp_path, name):
         check_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt"])
+def test_a_file_cut_by_one_byte_or_left_empty_is_refused_saying_which(tmp_path, name):
+    ckpt = _checkpoint(tmp_path)
+    path = ckpt / name
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=rf"damaged: {name}"):
+        check_checkpoint(ckpt)
+    path.write_bytes(b"")   # a job killed right after it created the file
+    with pytest.raises(CheckpointError, match=rf"damaged: {name}: " + ("the file is empty" if name.endswith(".pt") else "")):
+        check_checkpoint(ckpt)
+
+
 def test_a_missing_checkpoint_directory_names_the_argument(tmp_path):
     with pytest.raises(CheckpointError, match="resume_from_checkpoint="):
         check_checkpoint(tmp_path / "nope")
