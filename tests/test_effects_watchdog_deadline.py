@@ -50,8 +50,9 @@ def clock(monkeypatch):
     exits = []
     monkeypatch.setattr(watchdog, "time", types.SimpleNamespace(monotonic=fake.monotonic))
     monkeypatch.setattr(watchdog, "os", types.SimpleNamespace(_exit=lambda code: exits.append((fake.now, code))))
-    monkeypatch.setattr(watchdog, "logging", types.SimpleNamespace(shutdown=lambda: None))
-    fake.exits = exits
+    shutdowns = []   # logging.shutdown(): the process's log handlers flushed before os._exit skips them
+    monkeypatch.setattr(watchdog, "logging", types.SimpleNamespace(shutdown=lambda: shutdowns.append(fake.now)))
+    fake.exits, fake.shutdowns = exits, shutdowns
     return fake
 
 
@@ -75,9 +76,54 @@ def test_the_watchdog_reports_at_report_after_s_and_exits_at_exit_after_s_counte
         clock.move_to(159.0)
         assert clock.exits == []
         clock.move_to(159.5)                       # exactly exit_after_s after the last progress
-        assert clock.exits and clock.exits[0] == (159.5, watchdog.EXIT_CODE)
+        assert clock.exits and clock.exits[0] == (159.5, 124) and clock.shutdowns[0] == 159.5
     finally:
         wd.close()
+
+
+def test_a_step_that_ended_is_not_watched_until_the_next_begins(clock):
+    wd = watchdog.StepWatchdog(report_after_s=10.0, exit_after_s=30.0, describe=str, poll_s=0.001)
+    try:
+        looks = threading.Semaphore(0)
+        real_wait = wd._closed.wait
+        wd._closed = types.SimpleNamespace(wait=lambda t: (looks.release(), real_wait(t))[1], set=wd._closed.set)
+        wd.begin(3)
+        wd.end()                                   # between steps, outside train(): nothing to watch
+        clock.now = 200.0                          # past both limits; an idle watchdog does not read the clock
+        while looks.acquire(blocking=False):       # the looks made before
+            pass
+        for _ in range(3):                         # three whole looks of the thread at t=200
+            assert looks.acquire(timeout=GUARD_S)
+        assert wd.reports == [] and clock.exits == []
+        wd.begin(4)                                # t=200
+        clock.move_to(210.0)
+        assert len(wd.reports) == 1 and "rank 0 has been inside step 4 for 10 s" in wd.reports[0]
+    finally:
+        wd.close()
+
+
+def test_a_report_made_stale_by_progress_is_dropped_even_for_a_phase_of_the_same_name(clock):
+    wd = watchdog.StepWatchdog(report_after_s=10.0, exit_after_s=None, describe=str, poll_s=3600.0)
+    try:
+        wd.watch("loading the batches of step 5")
+        since = wd._since                          # what the thread read before it described the step
+        clock.now = 105.0
+        wd.watch("loading the batches of step 5")  # progress meanwhile, the same phase's name
+        wd._report("loading the batches of step 5", since, 10.0)
+        assert wd.reports == []
+        wd._report("loading the batches of step 5", wd._since, 10.0)
+        assert len(wd.reports) == 1
+    finally:
+        wd.close()
+
+
+def test_close_waits_two_polls_and_a_second_for_the_thread_and_no_longer(clock):
+    wd = watchdog.StepWatchdog(report_after_s=10.0, exit_after_s=None, describe=str, poll_s=0.25)
+    thread, joins = wd._thread, []
+    wd._thread = types.SimpleNamespace(join=lambda timeout=None: joins.append(timeout))
+    wd.close()
+    thread.join(GUARD_S)
+    assert joins == [1.5] and not thread.is_alive()
 
 
 class FakeWork:

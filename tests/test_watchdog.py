@@ -39,9 +39,24 @@ def test_a_step_past_the_exit_limit_ends_the_process_with_code_124():
     """)
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == EXIT_CODE
+    assert done.returncode == EXIT_CODE == 124   # timeout(1)'s code, as the README says
     assert time.monotonic() - start < 20
     assert "waiting for bucket 0" in done.stderr and f"Exiting with code {EXIT_CODE}" in done.stderr
+
+
+def test_a_report_is_logged_as_an_error(caplog):
+    import hfstream.watchdog as watchdog
+
+    dog = StepWatchdog(report_after_s=10.0, exit_after_s=None, describe=lambda: "bucket 0 pending", poll_s=3600.0)
+    try:
+        dog.watch("inside step 2")
+        with caplog.at_level("ERROR", logger=watchdog.__name__):
+            dog._report("inside step 2", dog._since, 12.0)
+    finally:
+        dog.close()
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert caplog.records[0].getMessage() == dog.reports[0] == ("hfstream watchdog: rank 0 has been inside step 2 "
+                                                               "for 12 s.\nbucket 0 pending")
 
 
 def test_watchdog_arguments_are_checked():
