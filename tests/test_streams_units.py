@@ -55,3 +55,12 @@ def test_record_stream_tells_the_allocator_through_the_tensor():
     seen = []
     streams.record_stream(types.SimpleNamespace(record_stream=seen.append), "side")
     assert seen == ["side"]
+
+
+@pytest.mark.parametrize("count", [1, 0])
+def test_every_rank_on_a_one_device_host_shares_device_0(accelerator, monkeypatch, count):
+    # Several ranks on one device (a laptop GPU, or a count a broken driver reports as 0): never an
+    # index past the devices there are, never a division by zero.
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: count)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert streams._rank_index("cuda") == 0
