@@ -53,3 +53,13 @@ def test_sharded_limit_is_the_link_when_the_link_is_the_bottleneck():
     got = sharded_step([10.0, 10.0], [0.5, 1.0], 2, 2.0, 4.0, 2.0)
     assert got["reduce_scatter_busy_ms"] == got["all_gather_busy_ms"] == 20.0
     assert got["cross_step_limit_ms"] == pytest.approx(40.0)
+
+
+def test_the_clock_starts_at_zero_a_bucket_ready_at_once_starts_at_once():
+    # overlap: bwd 2, one 3 ms bucket ready at 0 runs 0-3: 1 ms after backward (not 1-4, 2 ms).
+    assert overlap_exposed([3.0], [0.0], 2.0) == pytest.approx(1.0)
+    # sharded, an optimizer of no time: the gather launches at 0 and ends at 1, the forward (2 ms)
+    # waits for it, 1-3: 1 ms exposed; backward 3-5, its reduce-scatter 5-6: 1 ms. Step 2+1+2+1 = 6.
+    got = sharded_step([1.0], [1.0], 2, 2.0, 2.0, 0.0)
+    assert (got["all_gather_exposed_ms"], got["reduce_scatter_exposed_ms"], got["step_sharded_ms"]) == \
+        pytest.approx((1.0, 1.0, 6.0))
