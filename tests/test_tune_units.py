@@ -192,3 +192,19 @@ def test_the_rematch_agrees_on_each_visits_score_on_every_rank():
     _run(t, lambda cap, visit: [{1.0: 10.0, 2.0: 20.0}[cap] + visit])
     assert len(agreed) == 2 * 4
     assert t.scores_ms == [10.5, 20.5]   # each the median of its two visits
+
+
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_a_rank_whose_backward_fired_no_hook_scores_from_what_it_has(monkeypatch, whole_step):
+    # Its loss reached no parameter: no step_started this step. Scored 0 from the hook (the slowest
+    # rank's score is the peers'), or, scoring whole steps, from the end of its last finish().
+    from hfstream.gradsync.buckets import plan_buckets
+
+    named = [(f"p{i}", torch.empty(2**16, device="meta")) for i in range(8)]
+    cap = tune.AutoBucketCap(lambda c: plan_buckets(named, c), None, torch.device("cpu"), whole_step=whole_step)
+    clock = iter([1.0, 1.25, 2.0])
+    monkeypatch.setattr(tune.time, "perf_counter", lambda: next(clock))
+    cap.step_started(named[0][1])                    # a step with hooks, ended at 1.25
+    assert cap._score_ms() == pytest.approx(250.0)
+    assert cap._score_ms() == pytest.approx(750.0 if whole_step else 0.0)   # no hook; ends at 2.0
+    assert cap._start is None and cap._last_end[0] == 2.0

@@ -297,9 +297,17 @@ class AutoBucketCap:
         return result.bucket_mb, result
 
     def _score_ms(self) -> float:
-        """First synchronised gradient hook (``whole_step``: the end of the last finish()) to the end of finish()."""
-        start, event, device = self._start
+        """First synchronised gradient hook (``whole_step``: the end of the last finish()) to the end of finish().
+
+        A rank whose backward fired no hook (its loss reached no parameter) scores 0 from the hook,
+        so the slowest rank's score, which every rank takes, is its peers'.
+        """
+        marked = self._start if self._start is not None else (self._last_end if self.whole_step else None)
         self._start = None
+        if marked is None:
+            self._last_end = _mark(self.device)
+            return 0.0
+        start, event, device = marked
         end = _mark(device)
         self._last_end = end
         if event is None:
