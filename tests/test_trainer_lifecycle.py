@@ -87,3 +87,17 @@ def test_the_loader_hands_the_prefetcher_host_tensors_and_places_them_itself_wit
         trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
                                 args=train_args(StreamTrainingArguments, tmp_path, max_steps=1, prefetch_depth=depth))
         assert trainer.get_train_dataloader().device == device, depth
+
+
+def test_train_returns_what_the_stock_trainer_returns(tmp_path):
+    # Scripts read it (`metrics = trainer.train().metrics; trainer.log_metrics("train", metrics)`).
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_utils import TrainOutput
+
+    stock = Trainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
+                    args=train_args(TrainingArguments, tmp_path / "stock", max_steps=3)).train()
+    ours = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
+                         args=train_args(StreamTrainingArguments, tmp_path / "ours", max_steps=3)).train()
+    assert isinstance(ours, TrainOutput)
+    assert ours.global_step == stock.global_step == 3 and ours.training_loss == stock.training_loss
+    assert set(ours.metrics) == set(stock.metrics) and ours.metrics["train_loss"] == stock.metrics["train_loss"]
