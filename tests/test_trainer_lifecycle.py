@@ -101,3 +101,24 @@ def test_train_returns_what_the_stock_trainer_returns(tmp_path):
     assert isinstance(ours, TrainOutput)
     assert ours.global_step == stock.global_step == 3 and ours.training_loss == stock.training_loss
     assert set(ours.metrics) == set(stock.metrics) and ours.metrics["train_loss"] == stock.metrics["train_loss"]
+
+
+def test_each_logged_breakdown_covers_only_the_steps_since_the_last_log(tmp_path):
+    # The `stream/*` scalars of a log are that interval's means, not the run's so far.
+    trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
+                            args=train_args(StreamTrainingArguments, tmp_path, max_steps=6, logging_steps=2,
+                                            prefetch_depth=0))
+    asked, logged = [], []
+    real = trainer._timeline.summary
+
+    def summary(*args, **kwargs):
+        out = real(*args, **kwargs)
+        asked.append(kwargs.get("since_step"))
+        logged.append(out.get("steps"))
+        return out
+
+    trainer._timeline.summary = summary
+    trainer.train()
+    # On a CPU every step is resolved when logged: steps 1-2, 3-4, 5-6 (the first log has no warmup
+    # to skip: since_step is given from the start).
+    assert asked[:3] == [0, 2, 4] and logged[:3] == [2.0, 2.0, 2.0], (asked, logged)

@@ -33,11 +33,15 @@ def _run(cls, args_cls, out_dir, rank, resume=None, second=False, **kw):
                   args=train_args(args_cls, out_dir, gradient_accumulation_steps=2, max_grad_norm=0.5,
                                   eval_strategy="steps", eval_steps=5, save_strategy="steps", save_steps=10,
                                   **stream, **kw))
+    phases = []
+    if cls is StreamTrainer:   # the watchdog's phases, as a stuck rank would report them
+        watch = trainer._watch
+        trainer._watch = lambda what: (phases.append(what), watch(what))
     trainer.train(resume_from_checkpoint=resume)
     history = trainer.state.log_history
     out = dict(losses=losses(trainer), params=params(trainer.model), state_bytes=_state_bytes(trainer.optimizer),
                grad_norms=[h["grad_norm"] for h in history if "grad_norm" in h],
-               evals=[h["eval_loss"] for h in history if "eval_loss" in h])
+               evals=[h["eval_loss"] for h in history if "eval_loss" in h], phases=phases)
     if second:   # a second train() of the same trainer: its optimizer state carries on, as stock
         trainer.args.output_dir = f"{out_dir}-second"
         trainer.train()
@@ -120,6 +124,10 @@ def test_checkpoint_holds_the_whole_optimizer_in_the_stock_format_and_complete_w
         for k, v in weights.items():   # save_model waited for the last step's all-gathers
             assert torch.equal(v, final[k]), k
     assert not any(f.startswith("rank") for f in os.listdir(tmp / "sharded-sgd" / "checkpoint-10"))
+    # A rank stuck while the slices are gathered for the save says so (not the step before it).
+    for out in ranks:
+        saving = [p for p in out["sharded-adamw"]["phases"] if p.startswith("saving the optimizer")]
+        assert saving == [f"saving the optimizer of step {s} (gathering every rank's slices)" for s in (10, 20)], saving
 
 
 def test_resume_from_a_sharded_or_a_stock_checkpoint_continues_like_the_uninterrupted_run(sharded_runs):

@@ -196,3 +196,17 @@ def test_the_trainer_reports_at_half_ddp_timeout_and_ends_the_process_15_s_past_
             assert got == expected, (limit, timeout, got)
         finally:
             trainer._close_watchdog()
+
+
+def test_train_closes_its_watchdog_so_no_phase_outlives_the_run(tmp_path):
+    # Left running, the watchdog would still watch train()'s last phase, and report it as stuck (and
+    # end the process at ddp_timeout + 15 s) while the script evaluates or saves after train().
+    from hfstream import StreamTrainer, StreamTrainingArguments
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    args = train_args(StreamTrainingArguments, tmp_path, max_steps=1)
+    trainer = StreamTrainer(model=tiny_causal_lm(), args=args, train_dataset=lm_dataset(8))
+    dog = StepWatchdog(report_after_s=60.0, exit_after_s=None, describe=lambda: "", poll_s=0.05)
+    trainer._watchdog = dog   # as the first multi-process phase would have started it
+    trainer.train()
+    assert trainer._watchdog is None and not dog._thread.is_alive()
