@@ -55,3 +55,31 @@ def test_the_root_waits_for_everything_when_compiled_or_when_no_module_was_seen_
     assert len(fw._waits) == 1 and len(compiled._forward_pre_hooks) == 1
     assert len(notes) == 1 and "the model is compiled (torch.compile)" in notes[0]
     fw.close()
+
+
+class _ReadsItsChildsWeight(nn.Module):
+    """Reads ``scale.weight`` without calling ``scale`` (as PEFT's embedding LoRA reads a ParameterDict)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.scale = nn.Linear(4, 4)   # never called
+
+    def forward(self, x):
+        return self.body(x) @ self.scale.weight
+
+
+def test_a_parameter_of_a_module_that_never_runs_waits_on_the_nearest_ancestor_that_did():
+    model = nn.Sequential(nn.Linear(4, 4), _ReadsItsChildsWeight())
+    waited = []
+    fw = ForwardWaits(model, list(model.named_parameters()), lambda idx, m: waited.append((list(idx), m)),
+                      lambda s: None)
+    fw.watch()
+    model(torch.randn(2, 4)).sum().backward()
+    fw.place()
+    model(torch.randn(2, 4))
+    reader = model[1]
+    # model.0 (0, 1) and model.1.body (2, 3) ran and wait for their own; model.1.scale (4, 5) never ran,
+    # so its wait sits on model.1, whose forward reads it -- before body's, which model.1 calls.
+    assert waited == [([0, 1], model[0]), ([4, 5], reader), ([2, 3], reader.body)]
+    fw.close()

@@ -69,15 +69,15 @@ class ForwardWaits:
             handle.remove()
         self._recording.clear()
         self.placed = True
-        if self.compiled or not self._ran:
-            everything = list(range(len(self.hooked)))
-            self._hook(self.model, everything)
-            if self.compiled:
-                self._note("GradSync(mode='sharded'): the model is compiled (torch.compile); the next forward waits "
-                           "for all parameter all-gathers before it starts, since per-layer waits would split the "
-                           "graph at every layer. The gathers still overlap the scheduler, logging and data "
-                           "loading between steps, not the forward")
+        if self.compiled:
+            self._hook(self.model, list(range(len(self.hooked))))
+            self._note("GradSync(mode='sharded'): the model is compiled (torch.compile); the next forward waits "
+                       "for all parameter all-gathers before it starts, since per-layer waits would split the "
+                       "graph at every layer. The gathers still overlap the scheduler, logging and data "
+                       "loading between steps, not the forward")
             return
+        # A module that did not run waits on its nearest ancestor that did; where nothing ran (the
+        # first forward was not a training one), every parameter climbs to the root.
         parent: dict[int, torch.nn.Module] = {}
         for module in self.inner.modules():
             for child in module.children():
