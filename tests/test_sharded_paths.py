@@ -29,8 +29,12 @@ class ReduceScatterWork:
     def __init__(self, out, flat, group):
         import torch.distributed as dist
 
-        self.out, self.full = out, flat.clone()
         self.rank, self.n = dist.get_rank(group), dist.get_world_size(group)
+        # What NCCL's reduce_scatter_tensor refuses (a copy below would cast or broadcast silently).
+        if out.dtype != flat.dtype or flat.numel() != out.numel() * self.n:
+            raise ValueError(f"reduce_scatter_tensor: input {flat.dtype} x {flat.numel()}, "
+                             f"output {out.dtype} x {out.numel()} on {self.n} ranks")
+        self.out, self.full = out, flat.clone()
         self.work = dist.all_reduce(self.full, group=group, async_op=True)
         self.copied = False
 

@@ -80,6 +80,8 @@ def views_suite(rank, world_size):
     _train(model, sync, opt, 3, rank, edit_at=1)
     sync.wait_for_params()
     out["viewed_after_edit"] = _viewed(sync)   # the plan of now (re-planned after the first step)
+    # What the gathers wrote is not an edit: the next step re-reads no parameter into its slices.
+    out["edited_after_gather"] = [st.shard.edited() for st in sync.bucket_states]
     out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     sync.close()
     out["own_storage_after_close"] = len(_storages(model.parameters())) == len(list(model.parameters()))
@@ -118,6 +120,7 @@ def test_parameters_are_views_of_the_gathered_buffer(views):
         assert out["all_viewed"] and out["in_their_buffer"]
         # A parameter given new storage is not a view any more; the others still are.
         assert [n for n, v in out["viewed_after_edit"].items() if not v] == ["layers.1.weight"]
+        assert out["edited_after_gather"] and not any(out["edited_after_gather"]), out["edited_after_gather"]
         # The subclassed weights are copied into instead; the biases are views.
         assert {n for n, v in out["subclass_viewed"].items() if not v} == {f"layers.{i}.weight" for i in range(4)}
 
