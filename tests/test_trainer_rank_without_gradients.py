@@ -18,26 +18,27 @@ from tiny import lm_dataset, params, tiny_causal_lm, train_args
 pytestmark = pytest.mark.multiprocess
 
 
-class EmptyOnRank1(StreamTrainer):
-    """On rank 1, every second step's loss is a constant: detached (no hook fires) or zeroed (hooks fire)."""
+class EmptyOnOneRank(StreamTrainer):
+    """Each step one rank's loss is a constant: rank 0's in steps 1 and 3 (the first, before the re-plan in
+    arrival order), rank 1's in steps 2 and 4; detached (no hook fires) or zeroed (hooks fire)."""
 
     detached = True
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        if self.args.process_index == 1 and self.state.global_step % 2 == 1:
+        if self.args.process_index == self.state.global_step % 2:
             return (loss.detach() * 0).requires_grad_() if self.detached else loss * 0
         return loss
 
 
-class ZeroedOnRank1(EmptyOnRank1):
+class ZeroedOnOneRank(EmptyOnOneRank):
     detached = False
 
 
 def _runs(rank, world_size, tmp):
     out = {}
     for mode in ("overlap", "sharded"):
-        for cls in (EmptyOnRank1, ZeroedOnRank1):
+        for cls in (EmptyOnOneRank, ZeroedOnOneRank):
             trainer = cls(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(),
                           args=train_args(StreamTrainingArguments, f"{tmp}/{mode}-{cls.__name__}", max_steps=4,
                                           grad_sync=mode, prefetch_depth=0, ddp_timeout=60))
@@ -49,8 +50,8 @@ def _runs(rank, world_size, tmp):
 def test_a_rank_whose_loss_reaches_no_parameter_trains_as_a_zero_gradient(tmp_path, run_distributed):
     ranks = run_distributed(_runs, 2, str(tmp_path), init_process_group=False, timeout=300)
     for mode in ("overlap", "sharded"):
-        got, ref = ranks[0][f"{mode}-EmptyOnRank1"], ranks[0][f"{mode}-ZeroedOnRank1"]
+        got, ref = ranks[0][f"{mode}-EmptyOnOneRank"], ranks[0][f"{mode}-ZeroedOnOneRank"]
         assert ref and set(got) == set(ref)
         for k, v in ref.items():
             torch.testing.assert_close(got[k], v, rtol=1e-6, atol=1e-7, msg=lambda m, k=k: f"{mode} {k}: {m}")
-            assert torch.equal(got[k], ranks[1][f"{mode}-EmptyOnRank1"][k]), (mode, k)   # replicas agree
+            assert torch.equal(got[k], ranks[1][f"{mode}-EmptyOnOneRank"][k]), (mode, k)   # replicas agree
