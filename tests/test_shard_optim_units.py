@@ -41,3 +41,18 @@ def test_any_positive_norm_clips(norm_type):
 def test_a_norm_that_is_not_positive_is_refused_by_name(norm_type):
     with pytest.raises(ValueError, match="norm_type="):
         check_norm_type(norm_type)
+
+
+@pytest.mark.parametrize("methods, refused", [(("train", "eval"), True), (("train",), False), (("eval",), False),
+                                              ((), False)])
+def test_only_an_optimizer_with_both_train_and_eval_is_taken_for_schedule_free(methods, refused):
+    # Schedule-free optimizers swap the weights in train()/eval(); one method alone is something else.
+    from hfstream.gradsync.shard_optim import check_elementwise
+
+    cls = type("Opt", (Declared,), {m: (lambda self: None) for m in methods})
+    optimizer = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    if refused:
+        with pytest.raises(ValueError, match="cannot shard Opt: its train\\(\\)/eval\\(\\) swap the weights"):
+            check_elementwise(optimizer)
+    else:
+        check_elementwise(optimizer)
