@@ -56,3 +56,53 @@ def test_a_ranks_shard_loads_back_into_its_layout_and_is_refused_in_another(run_
         assert any(v.abs().sum() > 0 for s in before.values() for v in s.values() if v.dim() > 0)
         assert refused is not None and f"one rank's shard (rank {1 - rank} of 2" in refused, refused
         assert "sync.optimizer_state_dict()" in refused
+
+
+class WithScalar(nn.Module):
+    """A 0-dim parameter (CLIP's logit scale): its state's ``exp_avg`` and ``step`` have the same shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def _scalar_state(rank, world_size):
+    torch.manual_seed(0)
+    model, ref = WithScalar(), WithScalar()
+    ref.load_state_dict(model.state_dict())
+    sync = GradSync(model, mode="sharded", bucket_mb=0)   # the scalar alone in its bucket: rank 1 holds padding
+    opt = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    try:
+        for step in range(3):   # the same batch on every rank: the mean gradient is the local one
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+            for m, o in ((model, opt), (ref, ref_opt)):
+                m(x).pow(2).mean().backward()
+                if m is model:
+                    sync.finish()
+                o.step()
+                o.zero_grad(set_to_none=True)
+        whole = sync.optimizer_state_dict()
+        # Loaded back (a resume), each piece's own state is as torch's AdamW makes it: a 0-dim step.
+        opt.load_state_dict(whole)
+        steps = [tuple(state["step"].shape) for state in opt.state.values()]
+        return whole, ref_opt.state_dict(), steps
+    finally:
+        sync.close()
+
+
+@pytest.mark.multiprocess
+def test_a_scalar_parameters_step_stays_a_per_parameter_count_in_the_whole_state(run_distributed):
+    for whole, ref, steps in run_distributed(_scalar_state, 2, timeout=90):
+        assert steps and set(steps) == {()}, steps
+        assert whole["param_groups"][0]["params"] == ref["param_groups"][0]["params"]
+        assert whole["state"].keys() == ref["state"].keys() and len(ref["state"]) == 3
+        for pid, s in ref["state"].items():
+            assert whole["state"][pid].keys() == s.keys(), pid
+            for k, v in s.items():
+                assert whole["state"][pid][k].shape == v.shape, (pid, k)
+                torch.testing.assert_close(whole["state"][pid][k], v, rtol=1e-6, atol=1e-7, msg=f"{pid} {k}")
