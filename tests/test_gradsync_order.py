@@ -148,18 +148,23 @@ def all_at_once(rank, world_size):
     sync = GradSync(model, bucket_mb=0.01)
     # 10 steps: a step of ~5 ms on a loaded machine sometimes shows a 0.2 ms hook spread (2 % of it);
     # three suspect steps in a row must still come within the run.
+    said_at = None
     for step in range(10):
         model(_batch(step, rank, n=64)[:, :32].repeat(1, 2)).sum().backward()
         sync.finish()
         model.zero_grad()
-    return list(sync.notes), len(sync.buckets)
+        if sync.notes and said_at is None:
+            said_at = step + 1   # synchronised steps counted from 1
+    return list(sync.notes), len(sync.buckets), said_at
 
 
 @pytest.mark.multiprocess
 def test_gradients_that_all_arrive_at_the_end_are_reported_once(run_distributed):
-    for notes, buckets in run_distributed(all_at_once, 2, timeout=120):
+    for notes, buckets, said_at in run_distributed(all_at_once, 2, timeout=120):
         assert buckets >= 2
         assert len(notes) == 1 and "overlap lost" in notes[0] and "at once" in notes[0], notes
+        # It names the three steps that ended with it (not steps counted some other way).
+        assert f"overlap lost in synchronised steps {said_at - 2}-{said_at}:" in notes[0], (said_at, notes)
 
 
 def healthy(rank, world_size):
@@ -218,3 +223,24 @@ def test_broadcast_buffers_copies_rank0s_buffers_before_each_training_forward(ru
         torch.testing.assert_close(m1, m0)       # rank 1 went on from rank 0's statistics
     else:
         assert not torch.allclose(m0, m1)        # per rank, as without DDP's broadcast_buffers
+
+
+def frozen_after_construction(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(32, 32) for _ in range(4)))
+    sync = GradSync(model, bucket_mb=0.004)     # ~1 layer per bucket; layer 0's is the last in backward
+    model[0].weight.requires_grad_(False)       # frozen after its hook was registered (a schedule unfreezing/freezing)
+    launched = []
+    for step in range(3):
+        model(_batch(step, rank)).pow(2).mean().backward()
+        sync.finish()
+        launched.append((sync.stats.launched_in_backward, len(sync.buckets)))
+        model.zero_grad(set_to_none=True)
+    return launched
+
+
+@pytest.mark.multiprocess
+def test_a_parameter_frozen_after_construction_does_not_hold_its_bucket_back_to_finish(run_distributed):
+    # Its hook never fires again: the forward marks it ready, so its bucket still launches in backward.
+    for launched in run_distributed(frozen_after_construction, 2, timeout=60):
+        assert all(n == buckets >= 3 for n, buckets in launched), launched

@@ -94,3 +94,47 @@ def test_the_last_bucket_cap_is_sharded_1_mib_unless_given():
             # DDP's rule: a bucket closes once it reaches the cap, so it may pass it by one layer (64 KiB)
             assert (last < want + 0.07) if want else len(sync.buckets) == 1, (kwargs, [b.nbytes for b in sync.buckets])
             assert want is None or want >= 2.5 or len(sync.buckets) > 1, kwargs
+
+
+def _reaches(root, target, limit=20000) -> bool:
+    """Whether ``target`` is reachable from ``root`` through attributes, containers and partials."""
+    import functools
+
+    seen, todo = set(), [root]
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if obj is target:
+            return True
+        if id(obj) in seen or isinstance(obj, (torch.Tensor, str, bytes, int, float, type)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+        elif isinstance(obj, functools.partial):
+            todo.extend([obj.func, *obj.args, *obj.keywords.values()])
+        if hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            todo.extend(vars(obj).values())
+        if hasattr(obj, "__self__"):
+            todo.append(obj.__self__)
+    return False
+
+
+def group_after_close(rank, world_size):
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1], backend="gloo")
+    out = {}
+    for bucket_mb in (0.0004, "auto"):   # "auto": the bucket tuner holds the group as well
+        sync = GradSync(FrozenBiasMLP(), bucket_mb=bucket_mb, process_group=group)
+        before = _reaches(sync, group)
+        sync.close()
+        out[bucket_mb] = (before, _reaches(sync, group))
+    return out
+
+
+def test_close_lets_go_of_the_process_group(run_distributed):
+    # A gloo group keeps its worker threads until its last reference is gone (hfstream.clean_exit).
+    for out in run_distributed(group_after_close, 2, timeout=60):
+        assert out == {0.0004: (True, False), "auto": (True, False)}, out

@@ -47,17 +47,19 @@ def test_grad_norms_are_one_per_parameter_that_has_a_gradient(mode):
     assert all(torch.equal(norms[n], want[n]) for n in want)
 
 
-@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf"), None])
 def test_clip_grad_norm_is_torchs_on_the_hooked_parameters(norm_type):
+    # None: neither is given a norm type, so the default is torch's too.
+    norm = {} if norm_type is None else {"norm_type": norm_type}
     torch.manual_seed(0)
     model = Net()
     ref = copy.deepcopy(model)
     backward(ref)
-    want = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.5, norm_type)
+    want = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.5, **norm)
     with GradSync(model) as sync:
         backward(model)
         sync.finish()
-        got = sync.clip_grad_norm_(0.5, norm_type)
+        got = sync.clip_grad_norm_(0.5, **norm)
     assert torch.equal(got, want) and got > 0.5   # it did clip
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         assert (p.grad is None) == (q.grad is None), n
