@@ -29,17 +29,21 @@ def _peer_never_steps(rank, world_size, flag):
     t0 = time.monotonic()
     try:
         sync.wait_for_params()
-        return "wait_for_params() returned", time.monotonic() - t0
+        return "wait_for_params() returned", time.monotonic() - t0, []
     except RuntimeError as exc:
-        return str(exc), time.monotonic() - t0
+        # The gather may still write into its buffer once the peer joins: the buffer is kept alive with it.
+        gathered = [st.shard.gathered for st in sync.bucket_states]
+        kept = [any(buf is g for g in gathered) and work is not None for buf, work in sync._wiring.abandoned]
+        return str(exc), time.monotonic() - t0, kept
     finally:
         open(flag, "w").close()
 
 
 @pytest.mark.multiprocess
 def test_a_gather_no_peer_joins_fails_within_the_timeout_naming_the_bucket(run_distributed, tmp_path):
-    (message, waited), _ = run_distributed(_peer_never_steps, 2, str(tmp_path / "done"), timeout=120,
-                                           pg_timeout_s=60)
+    (message, waited, kept), _ = run_distributed(_peer_never_steps, 2, str(tmp_path / "done"), timeout=120,
+                                                 pg_timeout_s=60)
+    assert kept == [True], kept   # the one gather given up on, with the buffer it writes into
     assert "the all-gather of bucket" in message and "(parameters 0.weight" in message, message
     assert "did not complete" in message and "did not call optimizer.step()" in message, message
     # GradSync's own 3 s, not the process group's 60 s (the peer waits until this rank gave up).

@@ -134,6 +134,13 @@ def waits_and_pieces(rank, world_size):
         sync.close()
         out[enforced]["hooks_left"] = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
         out[enforced]["grad_hooks_left"] = sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters())
+        # The optimizer's step and state-dict hooks, the model's state-dict hooks (torch's own names, read
+        # without a default: a rename fails here rather than passing on an empty count).
+        out[enforced]["state_hooks_left"] = sum(len(getattr(obj, name)) for obj, name in [
+            (opt, "_optimizer_step_pre_hooks"), (opt, "_optimizer_step_post_hooks"),
+            (opt, "_optimizer_state_dict_post_hooks"), (opt, "_optimizer_load_state_dict_pre_hooks"),
+            (model, "_state_dict_pre_hooks"), (model, "_load_state_dict_pre_hooks"),
+            (model, "_load_state_dict_post_hooks")])
     return out
 
 
@@ -142,7 +149,7 @@ def test_gathers_are_waited_with_gradsyncs_timeout_or_the_backends_and_close_lea
         for enforced, got in out.items():
             # Every bucket's gather, both steps, waited once: with a timeout only where the backend has none.
             assert got["waits"] == ["plain" if enforced else "timeout"] * (2 * got["buckets"]), got["waits"]
-            assert got["hooks_left"] == 0 and got["grad_hooks_left"] == 0
+            assert got["hooks_left"] == 0 and got["grad_hooks_left"] == 0 and got["state_hooks_left"] == 0
             # The whole-form state dict before the optimizer is sharded: refused with what to call.
             assert got["refused"] and "sync.shard_optimizer(optimizer) called" in got["refused"]
 
