@@ -19,14 +19,14 @@ import torch.nn as nn
 pytestmark = pytest.mark.multiprocess
 
 
-def _pieces(rank, scale):
+def _pieces(rank):
     # Rank 0 holds parameters 0 and 1 whole; rank 1 holds parameter 2 whole. The largest gradient is on rank 1.
     g = torch.Generator().manual_seed(rank)
     sizes = [(4,), (3,)] if rank == 0 else [(5,)]
     tensors = []
     for size in sizes:
         t = torch.zeros(size, requires_grad=True)
-        t.grad = torch.randn(size, generator=g) * (scale if rank == 1 else 1.0)
+        t.grad = torch.randn(size, generator=g) * (10.0 if rank == 1 else 1.0)
         tensors.append(t)
     owners = [(0, True), (1, True)] if rank == 0 else [(2, True)]
     return tensors, owners
@@ -37,19 +37,19 @@ def clip_across_ranks(rank, world_size):
 
     out = {}
     for norm_type in (2.0, math.inf):
-        tensors, owners = _pieces(rank, 10.0)
+        tensors, owners = _pieces(rank)
         before = [t.grad.clone() for t in tensors]
         total = clip_grad_norm_(tensors, owners, 3, dist.group.WORLD, 1.0, norm_type)
         everyone = [None] * world_size
         dist.all_gather_object(everyone, before)
         out[norm_type] = (total, [t.grad.clone() for t in tensors], [g for per in everyone for g in per])
-    tensors, owners = _pieces(rank, 10.0)
+    tensors, owners = _pieces(rank)
     clip_grad_norm_(tensors, owners, 3, dist.group.WORLD, 1.0, 2.0, error_if_nonfinite=True)   # finite: no error
-    tensors, owners = _pieces(rank, 10.0)
+    tensors, owners = _pieces(rank)
     if rank == 1:
         tensors[0].grad[0] = float("inf")
     out["nonfinite"] = clip_grad_norm_(tensors, owners, 3, dist.group.WORLD, 1.0, 2.0)   # scaled anyway, as stock
-    tensors, owners = _pieces(rank, 10.0)
+    tensors, owners = _pieces(rank)
     if rank == 1:
         tensors[0].grad[0] = float("nan")
     try:
