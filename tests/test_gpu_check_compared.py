@@ -84,7 +84,7 @@ def test_nccl_kernel_names():
 
 
 def test_the_one_rank_shortcut_a_copy_for_a_collective_fails_the_comparison():
-    events = [("Memcpy DtoD (Device -> Device)", "copy", 0.04)] * 6
+    events = [("Memcpy DtoD (Device -> Device)", "copy", 0.04, 21)] * 6
     c = Checks()
     assert compare_comm_times(c, "reduce-scatter time", 0.05, events, "reducescatter", 2, 3) is None
     (name, ok, info), = c.items
@@ -92,7 +92,7 @@ def test_the_one_rank_shortcut_a_copy_for_a_collective_fails_the_comparison():
 
 
 def test_the_report_against_nccl_kernels_fails_when_it_differs_or_kernels_are_missing():
-    kernels = [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1.0)] * 6     # 2 a step over 3 steps
+    kernels = [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 1.0, 21)] * 6     # 2 a step over 3 steps
     good = Checks()
     assert compare_comm_times(good, "t", 2.1, kernels, "allreduce", 2, 3) == pytest.approx(2.0)
     assert good.items[0][1] and good.compared == [("t", 6, "NCCL allreduce kernels")]
@@ -179,15 +179,17 @@ def test_part_4_fails_on_a_host_read_in_the_step(monkeypatch):
     assert "item at" in r["failed"][0]
 
 
-# -- part 5: the Trainer ---------------------------------------------------------------------------
-def test_part_5_fails_when_the_run_logged_nothing(monkeypatch):
+def test_part_4_fails_when_grad_sync_stays_active_at_world_size_1(monkeypatch, one_rank_gloo):
     import hfstream
+    from hfstream.tools.gpu_check.one_rank import one_rank_grad_sync
 
-    monkeypatch.setattr(hfstream.StreamTrainer, "train", lambda self, *a, **k: None)
-    r = one_process.part_trainer(True, True, 60)
-    assert r["status"] == "fail"
-    assert {"12 optimizer steps logged", "it trains: mean of the last 3 losses < 0.9 x the first 3"} <= set(failed_names(r))
-    assert all(n == 0 for name, n, _ in r["compared"])
+    monkeypatch.setattr(hfstream, "GradSync", one_rank_grad_sync())   # active on the one-rank default group
+    r = one_process.part_ws1(True, True, 60)
+    assert "GradSync at world size 1 adds no hook to the model" in failed_names(r)
+    assert r["numbers"]["hooks_added"] > 0
+
+
+# -- part 5: the Trainer on one rank (tests/test_gpu_check_trainer.py) ------------------------------------------
 
 
 # -- part 6: one rank ------------------------------------------------------------------------------
@@ -199,7 +201,25 @@ def test_part_6_fails_with_the_plain_grad_sync_whose_one_rank_collectives_are_no
     r = one_rank.part_one_rank(True, True, 60)
     assert r["status"] == "fail"
     assert {"overlap: GradSync active on one rank (the test-only switch)",
-            "overlap: every bucket's future completed and its callback ran"} <= set(failed_names(r))
+            "overlap: every bucket's completion callback ran (one span each)"} <= set(failed_names(r))
+
+
+def test_part_6_fails_when_the_bf16_wire_is_not_used(monkeypatch):
+    from hfstream.tools.gpu_check import one_rank
+
+    switch = one_rank.one_rank_grad_sync
+
+    def fp32_wire():
+        class Fp32Wire(switch()):
+            def __init__(self, *args, comm_dtype=None, **kwargs):
+                super().__init__(*args, **kwargs)    # comm_dtype dropped: gradients travel in fp32
+
+        return Fp32Wire
+
+    monkeypatch.setattr(one_rank, "one_rank_grad_sync", fp32_wire)
+    r = one_rank.part_one_rank(True, True, 60)
+    assert failed_names(r) == ["overlap: bf16 wire: every gradient after finish() is a bf16 value"]
+    assert r["numbers"]["wire_not_bf16"] > 0
 
 
 # -- part 7: every GPU -----------------------------------------------------------------------------
@@ -238,7 +258,8 @@ def test_part_7_on_one_rank_compares_nothing_across_ranks_and_fails(one_rank_glo
     bad = {n for n, ok, _ in out["checks"] if not ok}
     assert {"overlap: every rank holds bitwise the same parameters",
             "overlap: every bucket all-reduced once a step, launched in backward",
-            "sharded: the forward starts with the all-gathers still in flight (params_pending at its first pre-hook)",
+            "sharded: the forward starts with the all-gathers launched and not waited for (params_pending at its "
+            "first pre-hook)",
             "two groups: WORLD's gather ran while the gradient group's all-gathers were in flight"} <= bad
 
 
@@ -254,8 +275,8 @@ def test_part_7_dry_run_on_2_gloo_ranks_under_torchrun(tmp_path):
     assert part["status"] == "pass" and part["numbers"]["launcher"] == "torchrun" and part["numbers"]["world"] == 2
     counts = {name: n for name, n, _ in part["compared"]}
     assert counts["overlap: every rank holds bitwise the same parameters"] == 1
-    assert counts["sharded: the forward starts with the all-gathers still in flight (params_pending at its "
-                  "first pre-hook)"] >= 1
+    assert counts["sharded: the forward starts with the all-gathers launched and not waited for (params_pending "
+                  "at its first pre-hook)"] >= 1
     assert counts["two groups: WORLD's gather ran while the gradient group's all-gathers were in flight"] >= 1
 
 
@@ -266,16 +287,16 @@ def test_device_events_keep_the_device_side_and_tell_kernels_from_copies():
 
     from hfstream.tools.gpu_check.comm_kernels import device_events
 
-    def ev(name, device, us):
-        return types.SimpleNamespace(name=name, device_type=device,
+    def ev(name, device, us, stream):
+        return types.SimpleNamespace(name=name, device_type=device, device_resource_id=stream,
                                      time_range=types.SimpleNamespace(elapsed_us=lambda: us))
 
     prof = types.SimpleNamespace(events=lambda: [
-        ev("nccl:all_reduce", DeviceType.CPU, 900.0),                      # the host-side op: not a kernel
-        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 500.0),
-        ev("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 40.0)])
-    assert device_events(prof) == [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 0.5),
-                                   ("Memcpy DtoD (Device -> Device)", "copy", 0.04)]
+        ev("nccl:all_reduce", DeviceType.CPU, 900.0, 1234),                # the host-side op: not a kernel
+        ev("ncclDevKernel_AllReduce_Sum_f32_RING_LL", DeviceType.CUDA, 500.0, 21),
+        ev("Memcpy DtoD (Device -> Device)", DeviceType.CUDA, 40.0, 21)])
+    assert device_events(prof) == [("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "kernel", 0.5, 21),
+                                   ("Memcpy DtoD (Device -> Device)", "copy", 0.04, 21)]
 
 
 def test_part_7_profiler_comparison_on_a_run_with_no_nccl_kernel_fails(one_rank_gloo):

@@ -1,7 +1,8 @@
 """Part 2: GradSync on 2 ranks over gloo, both on cuda:0.
 
-Gradients equal the single-process mean, buckets are launched from the hooks on the side stream,
-and the host never waits for the device while forward, backward and the launches run.
+Gradients equal the single-process mean, buckets are launched from the hooks and packed on a
+stream other than the compute stream (the stream current inside the pack, `device_order`), and
+the host never waits for the device while forward, backward and the launches run.
 
 What synchronises in a GradSync step (read from ``gradsync/sync.py`` and torch's gloo backend):
 the gradient hooks and ``_launch`` only enqueue work (pack on the side stream, events,
@@ -29,11 +30,13 @@ the profiler.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
 
 from hfstream.tools.gpu_check.checks import Checks, compare_tensors, mlp, mse, part_device, synchronize
+from hfstream.tools.gpu_check.device_order import check_pack_streams, pack_streams
 from hfstream.tools.gpu_check.syncdebug import SyncRecorder, calibrate_sleep, device_sleep, sync_debug
 
 
@@ -89,7 +92,7 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
     import torch
     import torch.distributed as dist
 
-    from hfstream import GradSync
+    from hfstream import GradSync, streams
 
     cuda = not on_cpu
     dev = part_device(on_cpu)
@@ -114,13 +117,17 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
     worst, bad, windows = 0.0, [], []
     compared = 0
     stats = None
+    compute = streams.current_stream(dev) if cuda else None   # the stream backward writes the gradients on
+    packs: list = []
     for step in range(size["steps"]):
         x, y = data(step, rank)
         synchronize(cuda)
         t0 = time.perf_counter()
-        mse(model, x, y).backward()
-        windows.append((time.perf_counter() - t0) * 1e3)
-        sync.finish()
+        with pack_streams(sync, dev) if cuda else contextlib.nullcontext([]) as seen:
+            mse(model, x, y).backward()
+            windows.append((time.perf_counter() - t0) * 1e3)
+            sync.finish()
+        packs += seen
         ref.zero_grad(set_to_none=True)
         for r in range(world_size):                     # one process, every rank's batch: the mean to expect
             mse(ref, *data(step, r)).backward()
@@ -147,11 +154,12 @@ def _gradsync_rank(rank: int, world_size: int, size: dict, on_cpu: bool) -> dict
                f"{stats.num_collectives} collectives, {len(stats.bucket_spans)} spans, {len(sync.buckets)} buckets")
     checks.add("buckets launched by the hooks while backward ran", stats.launched_in_backward >= 1,
                f"{stats.launched_in_backward} of {stats.num_collectives}")
-    checks.add("bucket spans are well formed", all(b >= a for _, a, b in stats.bucket_spans))
+    checks.compare("bucket spans are well formed (end after start)", len(stats.bucket_spans), "bucket spans",
+                   all(b >= a for _, a, b in stats.bucket_spans))
     if cuda:
-        side = dev in getattr(sync, "_comm_streams", {})   # GradSync's device -> side stream (comm_streams)
-        numbers["side_stream"] = side
-        checks.add("buckets packed and launched on a side stream", side)
+        numbers["side_stream"] = check_pack_streams(
+            checks, "buckets packed on a stream other than the compute stream (the current stream inside the pack)",
+            packs, compute)
 
     if cuda:
         _gradsync_sync_checks(rank, model, sync, opt, data, dev, windows, checks, numbers)
@@ -249,7 +257,8 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
     # bucket), the last with the gathers of the buckets before it in flight; the one-call step: one
     # call, nothing yet in flight.
     later = calls[1:]
-    checks.compare("sharded: all-gathers in flight while the step's last bucket is stepped", len(later), "steps",
+    checks.compare("sharded: the buckets stepped before the last have their all-gathers launched (pipelined step)",
+                   len(later), "steps",
                    bool(later) and all(len(c) >= 2 and c[-1] >= 1 for c in later),
                    f"gathers in flight at each per-bucket step call: {later}")
     checks.add("control: the one-call step (a closure) steps in one call, no gather in flight yet",

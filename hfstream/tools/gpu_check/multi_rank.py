@@ -5,8 +5,12 @@ What one rank cannot show (part 6: NCCL on one rank is a copy, a default-group c
     overlap     buckets all-reduced from the hooks on the gradient group: the parameters after a
                 few steps equal the single-process mean's (within 1e-6), bitwise the same on every rank
     sharded     reduce-scatter in backward, slice step, all-gather into the next forward: the same;
-                and the forward starts while the gathers are in flight (``params_pending`` non-empty
-                at the model's first forward pre-hook)
+                and the forward starts with the gathers launched and not yet waited for
+                (``params_pending``, GradSync's own count, non-empty at the model's first forward
+                pre-hook: nothing between the step and the forward waited for them); how many of
+                them the device had not finished (``Work.is_completed()``) is recorded, not checked:
+                without a sleep ahead of them small gathers may land before the host gets there
+                (part 6 checks it behind one)
     host sync   no host read in a whole step (a counting ``TorchFunctionMode``), and on a GPU none
                 under ``set_sync_debug_mode("error")``; each detector first catches a deliberate ``.item()``
     profiler    the report's all-reduce, reduce-scatter and all-gather times against
@@ -37,6 +41,7 @@ import traceback
 from pathlib import Path
 
 from hfstream.tools.gpu_check.checks import Checks, compare_tensors, mlp, mse, synchronize
+from hfstream.tools.gpu_check.device_order import gathers_running
 from hfstream.tools.gpu_check.procs import REPO, child_env, run_child
 from hfstream.tools.gpu_check.table import TAIL_LINES, strict_json, tail
 
@@ -177,7 +182,8 @@ def rank0_summary(n: dict, on_cpu: bool) -> list[str]:
         f"{n['sharded_collectives']} reduce-scatters + {n['sharded_gathers']} all-gathers a step; "
         f"gradient group: {n['grad_group']}",
         f"forward started with {n['pending_min']}..{n['pending_max']} of {n['sharded_buckets']} all-gathers pending "
-        f"({n['pending_seen']} steps seen); host reads in a step: overlap {n['overlap_reads']}, sharded "
+        f"({n['pending_seen']} steps seen; running on the device {n['running_on_device']}); "
+        f"host reads in a step: overlap {n['overlap_reads']}, sharded "
         f"{n['sharded_reads']}" + ("" if on_cpu else f"; sync-debug 'error': overlap {n['overlap_sync_error'] or 'clean'}, "
                                                      f"sharded {n['sharded_sync_error'] or 'clean'}"),
         f"two groups: {n['soak_steps']} sharded steps, accelerator.gather on WORLD with gathers pending in "
@@ -437,8 +443,14 @@ def _sharded(ctx, checks: Checks, numbers: dict) -> None:
     size = ctx["size"]
     model, ref, sync, opt, ref_opt = _sharded_pair(ctx)
     pending: list[int] = []
-    # Runs before every other pre-hook (GradSync's waits included): what is in flight as the forward begins.
-    handle = model.register_forward_pre_hook(lambda _m, _a: pending.append(len(sync.params_pending)), prepend=True)
+    running: list[int] = []
+
+    def at_forward(_m, _a):   # before every other pre-hook (GradSync's waits included)
+        launched, unfinished = gathers_running(sync)
+        pending.append(launched)
+        running.append(len(unfinished))
+
+    handle = model.register_forward_pre_hook(at_forward, prepend=True)
     stats = _train_steps(model, sync, opt, ref, ref_opt, "sharded", ctx, checks, numbers)
     handle.remove()
     sync.wait_for_params()
@@ -450,13 +462,13 @@ def _sharded(ctx, checks: Checks, numbers: dict) -> None:
     seen = pending[1:]           # the first forward follows no step: nothing can be pending there
     numbers.update(sharded_collectives=stats.num_collectives, sharded_gathers=stats.num_all_gathers,
                    sharded_buckets=buckets, pending_seen=len(seen), pending_min=min(seen, default=0),
-                   pending_max=max(seen, default=0))
+                   pending_max=max(seen, default=0), running_on_device=running[1:])
     checks.compare("sharded: every bucket reduce-scattered and all-gathered once a step", stats.num_collectives,
                    "reduce-scatters", stats.num_collectives == stats.num_all_gathers == buckets >= 2,
                    f"{stats.num_all_gathers} all-gathers, {buckets} buckets")
-    checks.compare("sharded: the forward starts with the all-gathers still in flight (params_pending at its "
-                   "first pre-hook)", len(seen), "forwards after a step", bool(seen) and min(seen) >= 1,
-                   f"pending {seen} of {buckets} buckets")
+    checks.compare("sharded: the forward starts with the all-gathers launched and not waited for (params_pending "
+                   "at its first pre-hook)", len(seen), "forwards after a step", bool(seen) and min(seen) >= 1,
+                   f"pending {seen} of {buckets} buckets; still running on the device {running[1:]} (recorded)")
     if ctx["cuda"] and size["profiled"]:
         _profile(ctx, model, sync, opt, 3000, checks, numbers,
                  {"reducescatter": ("comm_busy_ms", buckets), "allgather": ("all_gather_busy_ms", buckets)})

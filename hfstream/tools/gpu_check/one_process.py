@@ -1,13 +1,16 @@
-"""Parts 4 and 5, on one process without a process group.
+"""Part 4: GradSync on one process without a process group costs nothing.
 
-4: GradSync costs nothing at world size 1 (step time with and without it, no host sync).
-5: a StreamTrainer run (tiny GPT-2 from a config): it trains, and its ``stream_report()``.
+At world size 1 GradSync is inactive by design; what a user relies on is that it then does
+nothing at all, so the same script runs on one device at full speed. Observed, not read back:
+it adds no hook to the model (a hook would run every step), no device memory (a bucket buffer
+would be allocated at the first step), no host read in a step (counted; on a GPU none under
+``set_sync_debug_mode("error")``), and no step time (within 10 %, GPU only: on a shared CPU the
+noise is larger). A GradSync that stayed active here (the one-rank switch of part 6 on a
+one-rank group) fails the hook check on CPU (tests/test_gpu_check_compared.py).
 """
 
 from __future__ import annotations
 
-import math
-import tempfile
 import time
 
 from hfstream.tools.gpu_check.checks import Checks, median, mlp, mse, part_device, synchronize
@@ -53,6 +56,24 @@ def part_ws1(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
             sync.close()
         return ms
 
+    # What GradSync adds to the model and the device: nothing (measured around one step with it,
+    # after one without: the first backward allocates the math libraries' workspaces).
+    mse(model, x, y).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    hooks_before = model_hooks(model)
+    synchronize(cuda)
+    memory_before = torch.cuda.memory_allocated(dev) if cuda else 0
+    probe = GradSync(model, bucket_mb=25.0)
+    hooks_added = model_hooks(model) - hooks_before
+    mse(model, x, y).backward()
+    probe.finish()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    synchronize(cuda)
+    memory_added = (torch.cuda.memory_allocated(dev) - memory_before) if cuda else 0
+    probe.close()
+
     run_round(10, False)
     run_round(10, True)
     without, with_ = [], []
@@ -62,6 +83,11 @@ def part_ws1(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
     a, b = median(without), median(with_)
     checks.compare("GradSync without a process group has world size 1", len(world_sizes), "GradSync instances",
                    all(w == 1 for w in world_sizes), f"{world_sizes}")
+    checks.compare("GradSync at world size 1 adds no hook to the model", len(list(model.parameters())),
+                   "parameters' and modules' hooks", hooks_added == 0, f"{hooks_added} hooks added")
+    if cuda:
+        checks.compare("GradSync at world size 1 allocates no device memory (a step with it, optimizer state "
+                       "there before)", 1, "steps", memory_added == 0, f"{memory_added} bytes added")
     checks.add("no host sync in the step under set_sync_debug_mode('error')" if cuda else "steps ran", not errors,
                "; ".join(errors))
     if cuda:   # on a shared CPU the noise is larger than the difference: there it is only reported
@@ -82,63 +108,13 @@ def part_ws1(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
     checks.compare("no host read in a step with GradSync (counted)", watch.calls, "torch calls watched",
                    not watch.reads, "; ".join(watch.reads[:4]))
     summary = [f"step {a:.3f} ms without, {b:.3f} ms with GradSync ({100 * (b / a - 1):+.1f} %), median of {rounds} "
-               f"rounds x {steps} steps, MLP {layers}x{width}" + ("; no host sync under 'error'" if cuda else "")]
-    return checks.result(summary, dict(without_ms=without, with_ms=with_, median_without_ms=a, median_with_ms=b))
+               f"rounds x {steps} steps, MLP {layers}x{width}" + ("; no host sync under 'error'" if cuda else ""),
+               f"added by GradSync: {hooks_added} hooks" + (f", {memory_added} bytes of device memory" if cuda else "")]
+    return checks.result(summary, dict(without_ms=without, with_ms=with_, median_without_ms=a, median_with_ms=b,
+                                       hooks_added=hooks_added, memory_added=memory_added))
 
 
-def part_trainer(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
-    import logging
-
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from hfstream import StreamTrainer, StreamTrainingArguments
-
-    checks = Checks()
-    steps = 12 if quick else 20
-    seq, vocab, batch = 32, 64, 16
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = GPT2LMHeadModel(cfg)
-    # Arithmetic sequences (start, stride): predictable after two tokens, so the loss must fall.
-    g = torch.Generator().manual_seed(1)
-    n = steps * batch
-    ids = (torch.randint(0, vocab, (n, 1), generator=g) + torch.randint(1, 4, (n, 1), generator=g)
-           * torch.arange(seq)) % vocab
-    dataset = [{"input_ids": row.clone(), "labels": row.clone()} for row in ids]
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    with tempfile.TemporaryDirectory() as out:
-        args = StreamTrainingArguments(
-            output_dir=out, max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
-            logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-            lr_scheduler_type="constant", seed=0, prefetch_depth=2, use_cpu=on_cpu)
-        trainer = StreamTrainer(model=model, args=args, train_dataset=dataset)
-        trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    report = trainer.stream_report()
-    mean = dict(report.get("mean") or {}) if report else {}
-    first, last = losses[:3], losses[-3:]
-    drop = (sum(first) / len(first), sum(last) / len(last)) if losses else (math.nan, math.nan)
-    on_device = next(model.parameters()).device
-    checks.compare(f"{steps} optimizer steps logged", len(losses), "logged losses", len(losses) == steps)
-    checks.compare("it trains: mean of the last 3 losses < 0.9 x the first 3", min(len(first), len(last)) * 2,
-                   "losses", all(math.isfinite(v) for v in losses) and drop[1] < 0.9 * drop[0],
-                   f"{drop[0]:.3f} -> {drop[1]:.3f}")
-    checks.add("the model trained on the GPU" if not on_cpu else "the model trained on the CPU",
-               on_device.type == ("cpu" if on_cpu else "cuda"), str(on_device))
-    checks.add("stream_report() has a mean row with a step time", mean.get("step_ms", 0) > 0, f"{mean}")
-
-    def ms(key):
-        v = mean.get(key)
-        return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.2f}"
-
-    eff = mean.get("efficiency")
-    summary = [
-        f"loss {drop[0]:.3f} -> {drop[1]:.3f} in {len(losses)} steps (tiny GPT-2, batch {batch}x{seq}, "
-        f"grad_sync {report.get('grad_sync') if report else '?'}, prefetch_depth {report.get('prefetch_depth') if report else '?'})",
-        f"stream_report mean: data wait {ms('data_wait_ms')}, forward {ms('forward_ms')}, backward {ms('backward_ms')}, "
-        f"optimizer {ms('optimizer_ms')}, step {ms('step_ms')}, ideal {ms('ideal_ms')} ms, efficiency "
-        + (f"{100 * eff:.0f} %" if isinstance(eff, float) and math.isfinite(eff) else "n/a"),
-    ]
-    return checks.result(summary, dict(losses=losses, mean=mean), detail=str(report) if report else "")
+def model_hooks(model) -> int:
+    """Hooks on the model: its parameters' post-accumulate-grad hooks and its modules' forward hooks."""
+    grads = sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    return grads + sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())

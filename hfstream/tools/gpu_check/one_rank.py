@@ -4,27 +4,35 @@ At world size 1 GradSync does nothing (there is nothing to average), so one GPU 
 collectives. `one_rank_grad_sync` is the test-only switch: a GradSync subclass that stays active
 on a one-rank process group and shards the optimizer into its single slice, so that a real NCCL
 collective runs on one device, on the gradient group's high-priority stream. It is defined here,
-in the check, and nowhere in the training path. Checks:
+in the check, and nowhere in the training path (part 5 runs the Trainer on it). Checks:
 
-    overlap   buckets all-reduced from the hooks: gradients unchanged (the mean over one rank),
-              every bucket's future completed and its callback ran (one span each), the NCCL group
-              on a high-priority stream, no host sync in the whole step under
+    overlap   buckets all-reduced from the hooks with the bf16 wire: every gradient is its own
+              value rounded to bf16 (not the fp32 original: the control), every bucket's callback
+              ran (one span each), launched in backward; on a GPU: every pack on a stream other
+              than the compute stream (the stream current inside the pack, and the profiler's
+              stream ids), ``finish()`` orders the compute stream after the collectives without
+              holding the host (a sleep on the side stream), no host sync in the whole step under
               ``set_sync_debug_mode("error")`` and the host a whole step ahead of a device sleep
-    sharded   reduce-scatter in backward, all-gather after the step: parameters equal plain SGD's
+    sharded   reduce-scatter in backward, all-gather after the step: parameters equal plain SGD's;
+              on a GPU the host reaches the next forward with the gathers still running on the
+              device (their works not complete, behind a sleep queued before the step)
     soak      sharded steps (100; 20 with --quick): parameters still equal plain SGD's
 
 What one rank cannot show, and this part therefore does not claim: NCCL on one rank takes a
-shortcut (a collective is a device copy, an in-place all-reduce launches nothing), so there is no
-NCCL kernel to time the report against: the profiler's device events are classified
-(`comm_kernels`) and the part says how many copies and NCCL kernels it saw; where NCCL did run a
-kernel the report is compared with it, never with a copy. A default-group collective beside the
+shortcut (a collective is a device copy, an in-place all-reduce launches nothing), so the mean is
+the identity and there is no NCCL kernel to time the report against: the profiler's device events
+are classified (`comm_kernels`) and the part says how many copies and NCCL kernels it saw; where
+NCCL did run a kernel the report is compared with it, never with a copy. NCCL marks a
+collective's future complete when it is queued, so "the future completed" says nothing there:
+the device order is checked instead (`device_order`). A default-group collective beside the
 gradient group on one rank is a no-op, so two communicators under load are part 7's (two GPUs and
 up), as is the report against real NCCL kernels. The high-priority option of the gradient group is
-recorded, not checked: reading it back returns what ``_gradient_group`` set.
+recorded, not checked: reading it back returns what `one_rank_group` set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import time
@@ -32,6 +40,8 @@ from typing import Any
 
 from hfstream.tools.gpu_check.checks import Checks, compare_tensors, mlp, mse, part_device, synchronize
 from hfstream.tools.gpu_check.syncdebug import calibrate_sleep, device_sleep, sync_debug
+
+SLEEP_MS = 200.0   # the device sleeps the host must get past (a step of these models takes a few ms)
 
 
 def one_rank_sizes(quick: bool, on_cpu: bool) -> dict:
@@ -72,25 +82,26 @@ def one_rank_grad_sync():
     return OneRankGradSync
 
 
-def part_one_rank(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
+@contextlib.contextmanager
+def one_rank_world(on_cpu: bool, timeout_s: float):
+    """A one-rank default group (NCCL on cuda:0, gloo on CPU) for the block; yields ``(device, timeout)``."""
     import torch
     import torch.distributed as dist
 
-    cuda = not on_cpu
     dev = part_device(on_cpu)
-    if cuda:
+    if not on_cpu:
         torch.cuda.set_device(dev)
     timeout = datetime.timedelta(seconds=max(30, int(timeout_s)))
-    extra = {"device_id": dev} if cuda else {}
-    dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+    extra = {"device_id": dev} if not on_cpu else {}
+    dist.init_process_group("gloo" if on_cpu else "nccl", store=dist.HashStore(), rank=0, world_size=1,
                             timeout=timeout, **extra)
     try:
-        return _run(quick, on_cpu, dev, timeout)
+        yield dev, timeout
     finally:
         dist.destroy_process_group()
 
 
-def _gradient_group(cuda: bool, timeout):
+def one_rank_group(cuda: bool, timeout):
     """The Trainer's gradient group on one rank (`hfstream.data_parallel.gradient_group` makes none there)."""
     import torch.distributed as dist
 
@@ -102,20 +113,23 @@ def _gradient_group(cuda: bool, timeout):
     return dist.new_group(backend="nccl", pg_options=options, timeout=timeout)
 
 
-def _run(quick: bool, on_cpu: bool, dev, timeout) -> dict:
-    import torch
+def part_one_rank(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
+    with one_rank_world(on_cpu, timeout_s) as (dev, timeout):
+        return _run(quick, on_cpu, dev, timeout)
 
+
+def _run(quick: bool, on_cpu: bool, dev, timeout) -> dict:
     cuda = not on_cpu
     size = one_rank_sizes(quick, on_cpu)
-    group = _gradient_group(cuda, timeout)
+    group = one_rank_group(cuda, timeout)
     checks = Checks()
-    numbers: dict[str, Any] = {"size": size}
+    numbers: dict[str, Any] = {"size": size, "sleep_ms": SLEEP_MS}
     if cuda:
         try:
             high = bool(group._get_backend(dev).options.is_high_priority_stream)   # private accessor, as comm_streams
         except Exception as exc:   # noqa: BLE001 - recorded, not fatal
             high = f"unreadable ({exc})"
-        # Recorded, not checked: this reads back the options set in _gradient_group, not the
+        # Recorded, not checked: this reads back the options set in one_rank_group, not the
         # priority of the stream NCCL created (ProcessGroupNCCL does not expose that stream), so
         # as a check it could not fail.
         numbers["nccl_high_priority_option"] = high
@@ -125,25 +139,33 @@ def _run(quick: bool, on_cpu: bool, dev, timeout) -> dict:
     n = numbers
     summary = [
         f"overlap: {n['overlap_collectives']} all-reduces a step on a 1-rank {'NCCL' if cuda else 'gloo'} group, "
-        f"{n['overlap_launched_in_backward']} launched in backward, every callback ran: "
-        f"{'yes' if n['overlap_callbacks'] else 'NO'}; grads unchanged (max |diff| {n['overlap_grad_diff']:.1e})",
+        f"{n['overlap_launched_in_backward']} launched in backward; bf16 wire: {n['wire_elements']} gradient "
+        f"elements, {n['wire_not_bf16']} not bf16 values, max |diff| to the reference's rounded "
+        f"{n['wire_diff']:.1e} (the fp32 reference has {n['wire_control_not_bf16']} that are not)",
         f"sharded: parameters = plain SGD's after {size['steps']} steps (max |diff| {n['sharded_param_diff']:.1e}); "
         f"{n['sharded_collectives']} reduce-scatters and {n['sharded_gathers']} all-gathers a step",
         f"soak: {n['soak_steps']} sharded steps, {n['soak_s']:.1f} s, max |diff| to plain SGD {n['soak_param_diff']:.1e}",
     ]
     if cuda:
+        fo = n["finish_order"]
+        summary.append(
+            f"device order: packs off the compute stream {n['overlap_packs_off_compute']}/{n['overlap_packs']}; "
+            f"behind a {SLEEP_MS:.0f} ms side-stream sleep finish() took {fo['finish_ms']:.1f} ms and the compute "
+            f"stream after it waited: {'yes' if fo['ordered'] else 'NO'}; at the next forward "
+            f"{n['gathers_running']} of {n['gathers_pending']} pending all-gathers still running on the device")
         summary.append(
             f"step under set_sync_debug_mode('error'): overlap {n['overlap_sync_error'] or 'clean'}, sharded "
-            f"{n['sharded_sync_error'] or 'clean'}; host a whole step ahead of a {n['sleep_ms']:.0f} ms device sleep: "
+            f"{n['sharded_sync_error'] or 'clean'}; host a whole step ahead of a {SLEEP_MS:.0f} ms device sleep: "
             f"overlap {'yes' if n['overlap_host_ahead'] else 'NO'}, sharded {'yes' if n['sharded_host_ahead'] else 'NO'}")
         summary.append(f"gradient group's high-priority option: {n['nccl_high_priority_option']} (recorded, not "
                        "checked: reading it back returns what was set)")
         summary.append("profiler, one rank: " + "; ".join(
             f"{op}: {n[f'{op}_nccl_kernels']} NCCL kernels, {n[f'{op}_copies']} copies"
             + (" (NCCL's one-rank shortcut: no kernel to time the report against; part 7 does)"
-               if not n[f"{op}_nccl_kernels"] else "") for op in ("allreduce", "reducescatter")))
+               if not n[f"{op}_nccl_kernels"] else "") for op in ("allreduce", "reducescatter"))
+            + f"; {n['side_stream_kernels']} kernels off the compute stream that are not NCCL's (the packs)")
     else:
-        summary.append("sync-debug, device sleep and profiler checks: n/a on CPU")
+        summary.append("device order, sync-debug, device sleep and profiler checks: n/a on CPU")
     return checks.result(summary, numbers)
 
 
@@ -203,17 +225,18 @@ def _host_sync_checks(mode: str, model, sync, opt, size: dict, dev, checks: Chec
     error = _no_sync_error(lambda: _step(model, sync, opt, x, y), True)
     numbers[f"{mode}_sync_error"] = error
     checks.add(f"{mode}: no host sync in the whole step under set_sync_debug_mode('error')", error is None, error or "")
-    ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, numbers.setdefault("sleep_ms", 200.0))
+    ahead = _host_ahead(lambda: _step(model, sync, opt, x, y), dev, SLEEP_MS)
     numbers[f"{mode}_host_ahead"] = ahead
     checks.add(f"{mode}: the host got through a whole step while the device still slept", ahead)
 
 
 def _one_rank_profile(model, sync, opt, size: dict, dev, seed: int, op: str, checks: Checks, numbers: dict) -> None:
     """Profile ``size["profiled"]`` steps; count the NCCL kernels and the copies of ``op``. Only NCCL kernels
-    are compared with the report (`comm_kernels`); the one-rank shortcut's copies are counted and said."""
+    are compared with the report (`comm_kernels`); the one-rank shortcut's copies are counted and said.
+    Under overlap, the kernels that ran off the compute stream and are not NCCL's (the packs) are counted too."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hfstream.tools.gpu_check.comm_kernels import compare_comm_times, device_events, nccl_op
+    from hfstream.tools.gpu_check.comm_kernels import compare_comm_times, device_events, nccl_op, side_stream_kernels
 
     busy = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -222,43 +245,88 @@ def _one_rank_profile(model, sync, opt, size: dict, dev, seed: int, op: str, che
             busy.append(sync.stats.comm_busy_ms)
         synchronize(True)
     events = device_events(prof)
-    kernels = sum(1 for name, kind, _ in events if kind == "kernel" and nccl_op(name) == op)
+    kernels = sum(1 for name, kind, _, _ in events if kind == "kernel" and nccl_op(name) == op)
     numbers[f"{op}_nccl_kernels"] = kernels
-    numbers[f"{op}_copies"] = sum(1 for _, kind, _ in events if kind == "copy")
+    numbers[f"{op}_copies"] = sum(1 for _, kind, _, _ in events if kind == "copy")
     numbers[f"report_{op}_ms"] = sum(busy) / max(1, len(busy))
     if kernels:   # this NCCL runs a kernel on one rank: then the report must match it
         compare_comm_times(checks, f"one rank: the report's {op} time is the profiler's NCCL kernel time",
                            numbers[f"report_{op}_ms"], events, op, len(sync.buckets), size["profiled"])
+    if op == "allreduce":
+        compute, off, on = side_stream_kernels(events)
+        numbers.update(side_stream_kernels=off, compute_stream_kernels=on, compute_stream_id=compute)
+        need = len(sync.buckets) * size["profiled"]
+        checks.compare("overlap: the packs ran off the compute stream (profiler stream ids, NCCL's own excluded)",
+                       off, "kernels off the compute stream", off >= need,
+                       f"at least one a bucket a step: {need}; {on} on the compute stream {compute}")
+
+
+def _wire_checks(grads, reference, checks: Checks, numbers: dict) -> None:
+    """The bf16 wire on one rank: each gradient is its fp32 value rounded to bf16 (the sum over one rank is the
+    identity), so every value is a bf16 value; the fp32 reference's are not (the control: else nothing told them apart)."""
+
+    def not_bf16(ts):
+        return sum(int((t != t.bfloat16().float()).sum()) for t in ts)
+
+    rounded = [r.bfloat16().float() for r in reference]
+    elements = sum(g.numel() for g in grads)
+    numbers.update(wire_elements=elements, wire_not_bf16=not_bf16(grads), wire_control_not_bf16=not_bf16(reference))
+    checks.compare("overlap: bf16 wire: every gradient after finish() is a bf16 value", elements, "gradient elements",
+                   numbers["wire_not_bf16"] == 0 and numbers["wire_control_not_bf16"] > 0,
+                   f"{numbers['wire_not_bf16']} are not; of the fp32 reference's, {numbers['wire_control_not_bf16']} "
+                   f"are not (the control)")
+    # Within one bf16 step of the reference's own rounding: the two backwards may differ in a last fp32 bit,
+    # which can move a rounding by one bf16 step, never more.
+    worst = max([0.0] + [float(((g - r).abs() - r.abs() * 2.0 ** -7).max()) for g, r in zip(grads, rounded)])
+    numbers["wire_diff"] = max([0.0] + [float((g - r).abs().max()) for g, r in zip(grads, rounded)])
+    checks.compare("overlap: bf16 wire: gradients equal the reference's rounded to bf16 (within one bf16 step)",
+                   len(grads), "gradient tensors", len(grads) == len(reference) and worst <= 0.0,
+                   f"max |diff| {numbers['wire_diff']:.1e}")
 
 
 def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
     import torch
 
+    from hfstream import streams
+    from hfstream.tools.gpu_check.device_order import (check_finish_orders, check_pack_streams, finish_orders,
+                                                       pack_streams, stream_key)
+
     model, ref = _model(size, dev), _model(size, dev)
-    sync = one_rank_grad_sync()(model, bucket_mb=size["bucket_mb"], mode="overlap", process_group=group, timeout=60)
+    sync = one_rank_grad_sync()(model, bucket_mb=size["bucket_mb"], mode="overlap", process_group=group, timeout=60,
+                                comm_dtype="bf16")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    worst, stats, compared = 0.0, None, 0
+    stats, grads, reference = None, [], []
+    compute = streams.current_stream(dev) if cuda else None
     for step in range(size["steps"]):
         x, y = _data(step, size, dev)
-        mse(model, x, y).backward()
-        sync.finish()
+        with pack_streams(sync, dev) if (cuda and step == size["steps"] - 1) else contextlib.nullcontext([]) as packs:
+            mse(model, x, y).backward()
+            sync.finish()
         mse(ref, x, y).backward()
-        worst = max([worst] + [(p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters())])
-        compared += sum(1 for _ in model.parameters())
+        grads += [p.grad.detach().clone() for p in model.parameters()]
+        reference += [r.grad.detach().clone() for r in ref.parameters()]
         stats = sync.stats
         opt.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
-    numbers.update(overlap_grad_diff=worst, overlap_collectives=stats.num_collectives, overlap_buckets=len(sync.buckets),
+    numbers.update(overlap_collectives=stats.num_collectives, overlap_buckets=len(sync.buckets),
                    overlap_launched_in_backward=stats.launched_in_backward, overlap_callbacks=_callbacks_ran(stats))
     checks.compare("overlap: GradSync active on one rank (the test-only switch)", stats.num_collectives,
                    "all-reduces a step", bool(sync.bucket_states), f"{len(sync.bucket_states)} buckets at run time")
-    checks.compare("overlap: gradients unchanged by the mean over one rank", compared, "gradient tensors",
-                   worst <= 1e-6, f"max |diff| {worst:.1e}")
-    checks.compare("overlap: every bucket's future completed and its callback ran", len(stats.bucket_spans),
+    _wire_checks(grads, reference, checks, numbers)
+    checks.compare("overlap: every bucket's completion callback ran (one span each)", len(stats.bucket_spans),
                    "bucket spans", _callbacks_ran(stats), f"{stats.num_collectives} collectives")
     checks.add("overlap: buckets launched from the hooks in backward", stats.launched_in_backward >= 1,
                f"{stats.launched_in_backward} of {stats.num_collectives}")
     if cuda:
+        numbers.update(overlap_packs=len(packs), overlap_packs_off_compute=sum(1 for s in packs
+                                                                         if stream_key(s) != stream_key(compute)))
+        check_pack_streams(checks, "overlap: every bucket packed on a stream other than the compute stream "
+                           "(the current stream inside the pack)", packs, compute)
+        x, y = _data(998, size, dev)
+        order = finish_orders(sync, lambda: mse(model, x, y).backward(), dev, SLEEP_MS, calibrate_sleep(dev))
+        opt.zero_grad(set_to_none=True)
+        numbers["finish_order"] = order
+        check_finish_orders(checks, "overlap", order, SLEEP_MS)
         _host_sync_checks("overlap", model, sync, opt, size, dev, checks, numbers)
         numbers["profile_steps"] = size["profiled"]
         _one_rank_profile(model, sync, opt, size, dev, 2000, "allreduce", checks, numbers)
@@ -272,6 +340,38 @@ def _sharded_pair(size, dev, group):
     sync = one_rank_grad_sync()(model, bucket_mb=size["bucket_mb"], mode="sharded", process_group=group, timeout=60)
     opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
     return model, ref, sync, opt, torch.optim.SGD(ref.parameters(), lr=0.01)
+
+
+def _gathers_at_forward(model, sync, opt, size, dev, checks: Checks, numbers: dict) -> None:
+    """The host reaches the next forward with the step's all-gathers still running on the device.
+
+    A sleep queued on the compute stream before the step holds the step's kernels and the gathers
+    behind it (NCCL's stream waits for the compute stream when a collective is queued): a host
+    that waits for the gathers anywhere between the step and the forward finds none running.
+    """
+    import torch
+
+    from hfstream.tools.gpu_check.device_order import check_gathers_running, gathers_running
+
+    cycles = calibrate_sleep(dev)
+    x, y = _data(4000, size, dev)
+    mse(model, x, y).backward()
+    sync.finish()
+    torch.cuda.synchronize()
+    seen = []
+    # Runs before every other pre-hook (GradSync's waits included): what is in flight as the forward begins.
+    handle = model.register_forward_pre_hook(lambda _m, _a: seen.append(gathers_running(sync)), prepend=True)
+    try:
+        device_sleep(SLEEP_MS, cycles)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _step(model, sync, opt, *_data(4001, size, dev))
+    finally:
+        handle.remove()
+    torch.cuda.synchronize()
+    numbers.update(gathers_pending=seen[0][0] if seen else 0, gathers_running=len(seen[0][1]) if seen else 0)
+    check_gathers_running(checks, "sharded: the host reaches the next forward with the all-gathers still running on "
+                          "the device (their works not complete)", seen, len(sync.buckets))
 
 
 def _sharded(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> None:
@@ -289,9 +389,10 @@ def _sharded(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
     checks.compare("sharded: every reduce-scatter's callback ran, and the previous step's all-gathers were recorded",
                    stats.num_collectives, "reduce-scatters",
                    _callbacks_ran(stats) and stats.num_all_gathers == len(sync.buckets),
-               f"{len(stats.bucket_spans)} spans, {stats.num_collectives} reduce-scatters, "
-               f"{stats.num_all_gathers} all-gathers, {len(sync.buckets)} buckets")
+                   f"{len(stats.bucket_spans)} spans, {stats.num_collectives} reduce-scatters, "
+                   f"{stats.num_all_gathers} all-gathers, {len(sync.buckets)} buckets")
     if cuda:
+        _gathers_at_forward(model, sync, opt, size, dev, checks, numbers)
         _host_sync_checks("sharded", model, sync, opt, size, dev, checks, numbers)
         _one_rank_profile(model, sync, opt, size, dev, 3000, "reducescatter", checks, numbers)
     sync.close()

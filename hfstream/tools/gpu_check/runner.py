@@ -30,21 +30,21 @@ TITLES = {
     "gradsync": "2 GradSync 2 ranks gloo",
     "prefetch": "3 prefetch copy-heavy",
     "ws1": "4 GradSync world size 1",
-    "trainer": "5 StreamTrainer smoke",
+    "trainer": "5 Trainer one rank NCCL",
     "onerank": "6 GradSync one rank NCCL",
     "multirank": "7 GradSync all GPUs NCCL",
 }
 # Seconds each part may take (full run, --quick): a cap, not an estimate. What holds the whole run
-# to 10 minutes (--quick: 4) is the budget: a part is given at most what is left of it, less
+# to 6 minutes (--quick: 3) is the budget: a part is given at most what is left of it, less
 # MIN_PART_S for each part still to run. The estimates, from the parts' sizes, are in docs/design.md.
-TIMEOUTS = {"pytest": (150, 60), "gradsync": (75, 40), "prefetch": (50, 25), "ws1": (40, 20), "trainer": (75, 35),
-            "onerank": (60, 30), "multirank": (120, 60)}
-BUDGET_S = (560, 215)   # seconds: under 10 and 4 minutes with the start and the table
+TIMEOUTS = {"pytest": (60, 40), "gradsync": (50, 30), "prefetch": (35, 20), "ws1": (25, 20), "trainer": (90, 50),
+            "onerank": (50, 30), "multirank": (100, 50)}
+BUDGET_S = (330, 165)   # seconds: under 6 and 3 minutes with the start and the table
 DRY_RUN_SCALE = 3.0      # --on-cpu: time boxes and budget this many times the GPU run's
 MIN_PART_S = 20          # a part is not started with less; this much is kept for each part still to run
 # The parts run in a child (``--part NAME``): module and function, imported only there.
 PART_FUNCS = {"gradsync": ("gradsync", "part_gradsync"), "prefetch": ("prefetch", "part_prefetch"),
-              "ws1": ("one_process", "part_ws1"), "trainer": ("one_process", "part_trainer"),
+              "ws1": ("one_process", "part_ws1"), "trainer": ("one_rank_trainer", "part_trainer"),
               "onerank": ("one_rank", "part_one_rank"), "multirank": ("multi_rank", "part_multi_rank")}
 
 
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         if reason is not None:
             print(f"gpu-check: skipped: {reason}")
             return 0
-    # The CPU dry run is for developing on a shared machine, not the GPU run's 10 minutes: its time
+    # The CPU dry run is for developing on a shared machine, not the GPU run's 6 minutes: its time
     # boxes and budget are DRY_RUN_SCALE times the GPU's, so a loaded CPU does not time a part out.
     scale = DRY_RUN_SCALE if args.on_cpu else 1.0
     budget = args.budget if args.budget is not None else scale * BUDGET_S[1 if args.quick else 0]
