@@ -42,9 +42,11 @@ the runs themselves agree to the bit there (tests/test_gpu_check_trainer.py).
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
 import tempfile
+from dataclasses import dataclass, field
 from typing import Any
 
 from hfstream.tools.gpu_check.checks import Checks, compare_tensors
@@ -204,8 +206,21 @@ def _model_and_data(size: dict):
     return model, [{"input_ids": row.clone(), "labels": row.clone()} for row in ids]
 
 
-def _train(name: str, base, data, size: dict, on_cpu: bool, group, probe) -> Any:
-    """One run on a copy of ``base``; returns its trainer (trained)."""
+@dataclass
+class Run:
+    """What a run left to compare, its trainer gone (so that the next run's memory row sees only its own)."""
+
+    params: list            # the parameters after the run
+    norms: list[float]      # the logged pre-clip gradient norms
+    losses: list[float]     # the logged losses
+    mode: str | None        # its GradSync's mode (None: no GradSync)
+    tuning: Any = None      # what grad_bucket_mb="auto" chose (`TuningResult`), if it chose
+    chosen_plan: tuple = () # the plan GradSync makes at the chosen cap (bucket names)
+    report_mean: dict = field(default_factory=dict)   # stream_report()'s mean row
+
+
+def _train(name: str, base, data, size: dict, on_cpu: bool, group, probe) -> Run:
+    """One run on a copy of ``base``."""
     from transformers import PrinterCallback, TrainingArguments
 
     from hfstream import StreamTrainingArguments
@@ -228,7 +243,14 @@ def _train(name: str, base, data, size: dict, on_cpu: bool, group, probe) -> Any
             trainer = one_rank_trainer(group)(model=model, args=args, train_dataset=data, probe=probe)
         trainer.remove_callback(PrinterCallback)   # each step's log on stdout would bury a failure's output
         trainer.train()
-    return trainer
+    sync = getattr(trainer, "grad_sync", None)
+    tuning = sync.tuning_result if sync is not None else None
+    report = trainer.stream_report() if hasattr(trainer, "stream_report") else None
+    return Run(params=[p.detach().clone() for p in trainer.model.parameters()],
+               norms=_logged(trainer, "grad_norm"), losses=_logged(trainer, "loss"),
+               mode=sync.mode if sync is not None else None, tuning=tuning,
+               chosen_plan=tuple(tuple(b.names) for b in sync.plan_for(tuning.bucket_mb)) if tuning else (),
+               report_mean=dict(report.get("mean") or {}) if report else {})
 
 
 def _round_to_bf16(param) -> None:
@@ -257,77 +279,33 @@ def _run(quick: bool, on_cpu: bool, dev, group) -> dict:
     look_at = 2   # after the arrival-order re-plan, while "auto" tries its first caps
     checks = Checks()
     numbers: dict[str, Any] = {"size": size, "max_grad_norm": MAX_GRAD_NORM, "param_atol": PARAM_ATOL}
-    runs = {}
+    runs: dict[str, tuple[Run, RunProbe]] = {}
     for name in ("stock", "stock-bf16") + MODES:
+        gc.collect()   # the last run's trainer (its cycles hold its model and optimizer) gone before this one starts
         probe = RunProbe(dev, look_at)
-        trainer = _train(name, base, data, size, on_cpu, group, probe)
-        runs[name] = (trainer, probe)
-    stock, ref = runs["stock"], runs["stock-bf16"]
-    ref_norms, ref_losses = _logged(ref[0], "grad_norm"), _logged(ref[0], "loss")
-    ref_params = [p.detach() for p in ref[0].model.parameters()]
-    clipped = sum(1 for v in ref_norms if v > MAX_GRAD_NORM)
-    checks.compare("the clip acts: the pre-clip norm above max_grad_norm (stock-bf16)", len(ref_norms), "logged norms",
-                   clipped >= 1, f"{clipped} of {len(ref_norms)} steps above {MAX_GRAD_NORM}")
-    stock_not_bf16 = sum(int((g != g.bfloat16().float()).sum()) for g in stock[1].grads)
+        runs[name] = (_train(name, base, data, size, on_cpu, group, probe), probe)
+    (stock, stock_probe), (ref, _) = runs["stock"], runs["stock-bf16"]
+    clipped = sum(1 for v in ref.norms if v > MAX_GRAD_NORM)
+    checks.compare("the clip acts: the pre-clip norm above max_grad_norm (stock-bf16)", len(ref.norms), "logged norms",
+                   clipped >= 1, f"{clipped} of {len(ref.norms)} steps above {MAX_GRAD_NORM}")
+    stock_not_bf16 = sum(int((g != g.bfloat16().float()).sum()) for g in stock_probe.grads)
     numbers.update(clipped_steps=clipped, stock_grads_not_bf16=stock_not_bf16,
-                   stock_vs_bf16_param_diff=max(float((a.detach() - b).abs().max())
-                                                for a, b in zip(stock[0].model.parameters(), ref_params)))
+                   stock_vs_bf16_param_diff=max(float((a - b).abs().max()) for a, b in zip(stock.params, ref.params)))
     checks.compare("control: the stock run's gradients are not all bf16 values (the wire check can tell)",
-                   sum(g.numel() for g in stock[1].grads), "gradient elements", stock_not_bf16 > 0,
+                   sum(g.numel() for g in stock_probe.grads), "gradient elements", stock_not_bf16 > 0,
                    f"{stock_not_bf16} are not")
+    backend = str(torch.distributed.get_backend(group))
     summary = []
     for mode in MODES:
-        trainer, probe = runs[mode]
-        sync = trainer.grad_sync
-        n_coll, n_buckets = probe.collectives
-        backend = str(torch.distributed.get_backend(group))
-        checks.compare(f"{mode}: GradSync ran active in the Trainer on a one-rank {backend} group (every bucket a "
-                       f"collective in the last step)", n_coll, "collectives",
-                       sync is not None and sync.mode == mode and n_coll == n_buckets >= 1,
-                       f"{n_coll} collectives, {n_buckets} buckets")
-        result = sync.tuning_result if sync is not None else None
-        tried = len(result.scores_ms) if result is not None else 0
-        checks.compare(f"{mode}: grad_bucket_mb='auto' tried caps, chose one and re-planned to it", len(probe.replans),
-                       "re-plans", result is not None and tried >= 2 and probe.plans[-1] == tuple(
-                           tuple(b.names) for b in sync.plan_for(result.bucket_mb)),
-                       f"re-planned at steps {probe.replans}; "
-                       + (f"chose {result.bucket_mb:g} MiB of {tried} caps tried in {result.steps} steps"
-                          if result is not None else "no choice made"))
-        not_bf16 = sum(int((g != g.bfloat16().float()).sum()) for g in probe.grads)
-        checks.compare(f"{mode}: the gradients the clip saw came through the bf16 wire (bf16 values)",
-                       sum(g.numel() for g in probe.grads), "gradient elements", not_bf16 == 0,
-                       f"step {look_at}: {not_bf16} are not bf16 values")
-        norms, losses = _logged(trainer, "grad_norm"), _logged(trainer, "loss")
-        norm_diff, loss_diff = _close(norms, ref_norms), _close(losses, ref_losses)
-        checks.compare(f"{mode}: the pre-clip norms equal stock-bf16's (rtol {NORM_RTOL:g})", len(norms), "logged norms",
-                       norm_diff <= NORM_RTOL, f"max relative diff {norm_diff:.1e}")
-        checks.compare(f"{mode}: the losses equal stock-bf16's (rtol {NORM_RTOL:g})", len(losses), "logged losses",
-                       loss_diff <= NORM_RTOL and len(losses) == size["steps"], f"max relative diff {loss_diff:.1e}")
-        diff = compare_tensors(checks, f"{mode}: parameters after the run equal stock-bf16's",
-                               [p.detach() for p in trainer.model.parameters()], ref_params, PARAM_ATOL,
-                               "parameter tensors")
-        memory = memory_checks(checks, f"memory {mode}", probe.memory.steps, probe.replans) if not on_cpu else {}
-        numbers[mode] = dict(replans=probe.replans, chosen_mb=result.bucket_mb if result else None,
-                             scores_ms=result.scores_ms if result else None, param_diff=diff, norm_diff=norm_diff,
-                             loss_diff=loss_diff, not_bf16=not_bf16, memory=memory, buckets=n_buckets)
-        summary.append(f"{mode}: {n_coll} collectives a step on {backend}, auto chose "
-                       + (f"{result.bucket_mb:g} MiB ({tried} caps, {len(probe.replans)} re-plans)" if result else "NOTHING")
-                       + f"; params vs stock-bf16 max |diff| {diff:.1e} (atol {PARAM_ATOL:g}), norms/losses "
-                       f"{norm_diff:.1e}/{loss_diff:.1e}")
-        if memory:
-            summary.append(f"memory {mode} (MiB): peak step 1 {memory['step1_peak_mib']:.1f}, re-plans "
-                           f"{memory['replan_peak_mib']:.1f}, steady (step {memory['steady_step']}) "
-                           f"{memory['steady_peak_mib']:.1f}, step {memory['last_step']} {memory['last_peak_mib']:.1f}; "
-                           f"growth {memory['growth_mib']:+.2f} (a bucket {memory['bucket_mib']:.2f})")
+        summary += _mode_checks(mode, *runs[mode], ref, size, backend, on_cpu, checks, numbers)
     first_mode = MODES[0]
-    losses = _logged(runs[first_mode][0], "loss")
+    losses = runs[first_mode][0].losses
     first, last = losses[:3], losses[-3:]
     drop = (sum(first) / len(first), sum(last) / len(last)) if losses else (math.nan, math.nan)
-    checks.compare(f"it trains: mean of the last 3 losses < 0.9 x the first 3 ({first_mode})", min(len(first), len(last)) * 2,
-                   "losses", all(math.isfinite(v) for v in losses) and drop[1] < 0.9 * drop[0],
-                   f"{drop[0]:.3f} -> {drop[1]:.3f}")
-    report = runs[first_mode][0].stream_report()
-    mean = dict(report.get("mean") or {}) if report else {}
+    checks.compare(f"it trains: mean of the last 3 losses < 0.9 x the first 3 ({first_mode})",
+                   min(len(first), len(last)) * 2, "losses",
+                   all(math.isfinite(v) for v in losses) and drop[1] < 0.9 * drop[0], f"{drop[0]:.3f} -> {drop[1]:.3f}")
+    mean = runs[first_mode][0].report_mean
     checks.add(f"stream_report() has a mean row with a step time ({first_mode})", mean.get("step_ms", 0) > 0, f"{mean}")
     summary.insert(0, f"GPT-2 {size['n_layer']}x{size['n_embd']}, {size['steps']} steps, bf16 wire, auto, clip "
                       f"{MAX_GRAD_NORM:g} ({clipped} steps clipped); loss {drop[0]:.3f} -> {drop[1]:.3f}; stock fp32 vs "
@@ -336,3 +314,44 @@ def _run(quick: bool, on_cpu: bool, dev, group) -> dict:
         summary.append("memory row: n/a on CPU (the CUDA allocator's counters)")
     numbers["mean"] = mean
     return checks.result(summary, numbers)
+
+
+def _mode_checks(mode: str, run: Run, probe: RunProbe, ref: Run, size: dict, backend: str, on_cpu: bool,
+                 checks: Checks, numbers: dict) -> list[str]:
+    """One OneRankTrainer run against stock-bf16's; returns its summary lines."""
+    n_coll, n_buckets = probe.collectives
+    checks.compare(f"{mode}: GradSync ran active in the Trainer on a one-rank {backend} group (every bucket a "
+                   f"collective in the last step)", n_coll, "collectives", run.mode == mode and n_coll == n_buckets >= 1,
+                   f"{n_coll} collectives, {n_buckets} buckets")
+    result = run.tuning
+    tried = len(result.scores_ms) if result is not None else 0
+    checks.compare(f"{mode}: grad_bucket_mb='auto' tried caps, chose one and re-planned to it", len(probe.replans),
+                   "re-plans", result is not None and tried >= 2 and probe.plans[-1:] == [run.chosen_plan],
+                   f"re-planned at steps {probe.replans}; " + (
+                       f"chose {result.bucket_mb:g} MiB of {tried} caps tried in {result.steps} steps"
+                       if result is not None else "no choice made"))
+    not_bf16 = sum(int((g != g.bfloat16().float()).sum()) for g in probe.grads)
+    checks.compare(f"{mode}: the gradients the clip saw came through the bf16 wire (bf16 values)",
+                   sum(g.numel() for g in probe.grads), "gradient elements", not_bf16 == 0,
+                   f"step {probe.look_at}: {not_bf16} are not bf16 values")
+    norm_diff, loss_diff = _close(run.norms, ref.norms), _close(run.losses, ref.losses)
+    checks.compare(f"{mode}: the pre-clip norms equal stock-bf16's (rtol {NORM_RTOL:g})", len(run.norms),
+                   "logged norms", norm_diff <= NORM_RTOL, f"max relative diff {norm_diff:.1e}")
+    checks.compare(f"{mode}: the losses equal stock-bf16's (rtol {NORM_RTOL:g})", len(run.losses), "logged losses",
+                   loss_diff <= NORM_RTOL and len(run.losses) == size["steps"], f"max relative diff {loss_diff:.1e}")
+    diff = compare_tensors(checks, f"{mode}: parameters after the run equal stock-bf16's", run.params, ref.params,
+                           PARAM_ATOL, "parameter tensors")
+    memory = {} if on_cpu else memory_checks(checks, f"memory {mode}", probe.memory.steps, probe.replans)
+    numbers[mode] = dict(replans=probe.replans, chosen_mb=result.bucket_mb if result else None,
+                         scores_ms=result.scores_ms if result else None, param_diff=diff, norm_diff=norm_diff,
+                         loss_diff=loss_diff, not_bf16=not_bf16, memory=memory, buckets=n_buckets)
+    lines = [f"{mode}: {n_coll} collectives a step on {backend}, auto chose "
+             + (f"{result.bucket_mb:g} MiB ({tried} caps, {len(probe.replans)} re-plans)" if result else "NOTHING")
+             + f"; params vs stock-bf16 max |diff| {diff:.1e} (atol {PARAM_ATOL:g}), norms/losses "
+             f"{norm_diff:.1e}/{loss_diff:.1e}"]
+    if memory:
+        lines.append(f"memory {mode} (MiB): peak step 1 {memory['step1_peak_mib']:.1f}, re-plans "
+                     f"{memory['replan_peak_mib']:.1f}, steady (step {memory['steady_step']}) "
+                     f"{memory['steady_peak_mib']:.1f}, step {memory['last_step']} {memory['last_peak_mib']:.1f}; "
+                     f"growth {memory['growth_mib']:+.2f} (a bucket {memory['bucket_mib']:.2f})")
+    return lines
