@@ -179,16 +179,17 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
     """Sharded mode's bucket-by-bucket step (each gather launched as its slice is stepped): the
     parameters of one process stepping the mean gradient with the unsharded optimizer (the truth),
     the same as the one-call step (a closure makes it one call: another code path, so equal to the
-    bit), no host sync in the step, and its effect: when the optimizer steps the last bucket's
-    pieces, the buckets stepped before have their all-gathers in flight (``params_pending``), where
-    the one-call step has one call and none."""
+    bit), no host sync in the step, and its schedule: when the optimizer steps the last bucket's
+    pieces, the buckets stepped before have their all-gathers launched and not yet waited for
+    (``params_pending``, GradSync's own count: a claim about the order of launches, which the
+    device's view, part 6, does not replace), where the one-call step has one call and none."""
     import torch
     import torch.distributed as dist
 
     from hfstream import GradSync
 
     class RecordingAdamW(torch.optim.AdamW):
-        """AdamW that notes, per call of its step, how many all-gathers are in flight."""
+        """AdamW that notes, per call of its step, how many all-gathers are launched and not waited for."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -254,14 +255,14 @@ def _sharded_pipelined(rank: int, size: dict, dev, cuda: bool, checks: Checks, n
     piecewise, buckets, syncs, calls = run(one_call=False, record=True)
     whole, _, _, whole_calls = run(one_call=True, record=False)
     # After the first step (its re-plan in the arrival order), the step in several calls (bucket by
-    # bucket), the last with the gathers of the buckets before it in flight; the one-call step: one
-    # call, nothing yet in flight.
+    # bucket), the last with the gathers of the buckets before it launched; the one-call step: one
+    # call, nothing launched yet.
     later = calls[1:]
     checks.compare("sharded: the buckets stepped before the last have their all-gathers launched (pipelined step)",
                    len(later), "steps",
                    bool(later) and all(len(c) >= 2 and c[-1] >= 1 for c in later),
-                   f"gathers in flight at each per-bucket step call: {later}")
-    checks.add("control: the one-call step (a closure) steps in one call, no gather in flight yet",
+                   f"gathers launched, not waited for, at each per-bucket step call: {later}")
+    checks.add("control: the one-call step (a closure) steps in one call, no gather launched yet",
                all(c == [0] for c in whole_calls[1:]) and len(whole_calls) > 1, f"{whole_calls}")
     truth = reference()
     ref_diff = compare_tensors(checks, "sharded: the bucket-by-bucket step's parameters equal the single-process "

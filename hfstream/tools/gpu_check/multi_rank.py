@@ -15,7 +15,7 @@ What one rank cannot show (part 6: NCCL on one rank is a copy, a default-group c
                 under ``set_sync_debug_mode("error")``; each detector first catches a deliberate ``.item()``
     profiler    the report's all-reduce, reduce-scatter and all-gather times against
                 ``torch.profiler``'s NCCL kernels (GPU only)
-    two groups  sharded steps with the gradient group's all-gathers in flight while the Trainer's own
+    two groups  sharded steps with the gradient group's all-gathers launched while the Trainer's own
                 ``accelerator.gather`` (``num_items_in_batch``) runs on WORLD: no hang, every gathered
                 value right, the parameters still the single-process mean's
 
@@ -478,7 +478,7 @@ def _sharded(ctx, checks: Checks, numbers: dict) -> None:
 # -- two communicators -----------------------------------------------------------------------------
 def _two_groups(ctx, checks: Checks, numbers: dict) -> None:
     """The Trainer's step order: ``accelerator.gather(num_items_in_batch)`` on WORLD before the forward,
-    while the last step's all-gathers are in flight on the gradient group."""
+    while the last step's all-gathers are launched on the gradient group and not waited for."""
     import time
 
     import torch
@@ -507,7 +507,8 @@ def _two_groups(ctx, checks: Checks, numbers: dict) -> None:
     want = [torch.tensor([1000 * r + s for r in range(world)], device=dev) for s in range(len(gathered))]
     compare_tensors(checks, "two groups: every accelerator.gather result right", gathered, want, 0.0,
                     "gathered tensors")
-    checks.compare("two groups: WORLD's gather ran while the gradient group's all-gathers were in flight",
+    checks.compare("two groups: WORLD's gather ran while the gradient group's all-gathers were launched and not "
+                   "waited for (params_pending)",
                    sum(1 for p in under_load if p), "steps under load", all(under_load[1:]),
                    f"pending at each gather {under_load[:8]}{'...' if len(under_load) > 8 else ''}")
     if not errors:

@@ -128,7 +128,7 @@ def part_prefetch(quick: bool, on_cpu: bool, timeout_s: float) -> dict:
         if under_error and cuda:
             checks.add(f"{name}: consume loop does not sync under set_sync_debug_mode('error')", error is None, error or "")
         if under_error and cuda:
-            checks.add(f"{name}: copies timed on the side stream", row.get("copies_timed", 0) > 0)
+            checks.add(f"{name}: copies timed (device events around each copy)", row.get("copies_timed", 0) > 0)
     if cuda:
         timed = min(rows["prefetch"]["steps"], rows["pinned_to"]["steps"])
         checks.compare("prefetch is not slower than the plain pinned loop", timed, "timed steps each",
