@@ -303,8 +303,8 @@ def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
             mse(model, x, y).backward()
             sync.finish()
         mse(ref, x, y).backward()
-        grads += [p.grad.detach().clone() for p in model.parameters()]
-        reference += [r.grad.detach().clone() for r in ref.parameters()]
+        grads = [p.grad.detach().clone() for p in model.parameters()]          # the last step's
+        reference = [r.grad.detach().clone() for r in ref.parameters()]
         stats = sync.stats
         opt.zero_grad(set_to_none=True)
         ref.zero_grad(set_to_none=True)
