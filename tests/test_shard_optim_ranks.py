@@ -76,6 +76,35 @@ def test_the_clip_takes_every_ranks_gradients_as_stock_takes_them_all(run_distri
         assert math.isinf(out["nonfinite"]) and out["raised"].startswith("The total norm of order 2.0")
 
 
+def clip_as_a_parameter_thaws(rank, world_size):
+    """Parameter 2 (rank 1's, the largest gradient) has none in step 0 and one in step 1."""
+    from hfstream.gradsync.shard_optim import clip_grad_norm_
+
+    out = []
+    for frozen in (True, False):
+        tensors, owners = _pieces(rank)
+        if rank == 1 and frozen:
+            tensors[0].grad = None
+        everyone = [None] * world_size
+        dist.all_gather_object(everyone, [t.grad for t in tensors])
+        ref = [torch.zeros_like(g, requires_grad=True) for per in everyone for g in per if g is not None]
+        for t, g in zip(ref, (g for per in everyone for g in per if g is not None)):
+            t.grad = g.clone()
+        out.append((clip_grad_norm_(tensors, owners, 3, dist.group.WORLD, 1.0), torch.nn.utils.clip_grad_norm_(ref, 1.0)))
+    return out
+
+
+def test_a_parameter_that_thaws_on_another_rank_counts_in_the_norm_at_once(run_distributed):
+    # Rank 0 holds no piece of parameter 2: its pieces are the same in both steps, and only the reduced
+    # table tells it that parameter 2 has a gradient again. Rank 1 sees it in its own pieces.
+    ranks = run_distributed(clip_as_a_parameter_thaws, 2, timeout=60)
+    for rank, ((frozen, want_frozen), (thawed, want_thawed)) in enumerate(ranks):
+        assert torch.equal(frozen, want_frozen), (rank, frozen, want_frozen)
+        assert thawed > 3 * frozen   # rank 1's gradients are ten times the others'
+        torch.testing.assert_close(thawed, want_thawed, rtol=1e-6, atol=0)
+    assert torch.equal(ranks[1][1][0], ranks[1][1][1])   # the rank that saw it in its pieces: stock's bits
+
+
 class Net(nn.Module):
     def __init__(self):
         super().__init__()

@@ -16,17 +16,19 @@ optimizer of one's own is accepted once its class declares ``hfstream_elementwis
 `clip_grad_norm_` gives the result of ``torch.nn.utils.clip_grad_norm_`` on the full mean
 gradient from the slices, computed as stock computes it: one norm per parameter (taken whole,
 in the gradient's dtype, by the rank whose slice holds the whole parameter), one all-reduce of
-that vector, then the norm of the vector in the model's parameter order; the same coefficient
-on every rank.
+that vector, then the norm of the vector grouped by dtype as stock groups it; the same
+coefficient on every rank, and no host sync in a steady step (`_ClipPlan`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from . import shard_state
 
@@ -168,6 +170,132 @@ def check_norm_type(norm_type) -> float:
     return norm_type
 
 
+# The dtypes a parameter's norm can have, by code (0: no gradient). The code crosses ranks in the
+# clip's table: it is how a rank learns the dtype of a parameter it holds no piece of.
+NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Where torch's norm of a reduced-precision gradient accumulates before it is rounded to the gradient's dtype.
+_ACCUMULATES_IN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+class _ClipPlan:
+    """The clip's index tensors for one set of pieces (one layout) and stock's grouping of the norms.
+
+    [Note: the clip without host syncs] The clip runs every step (the Trainer clips at
+    ``max_grad_norm=1.0`` by default), so none of it may make the host wait for the device: the
+    index tensors are built here once and stay on the device, and a step is ``index_add_`` and
+    ``index_select`` on them. A boolean mask would need a ``nonzero``, a list made into a tensor a
+    copy from pageable memory, each a host sync on an accelerator (tests/test_host_syncs.py).
+
+    Stock (``torch.nn.utils.clip_grad_norm_``) takes each norm in its gradient's dtype, groups the
+    norms by dtype as ``_group_tensors_by_device_and_dtype`` orders them and stacks them in the
+    promoted dtype. That needs every parameter's gradient dtype, and a rank sees only those of the
+    pieces it holds, so the plan's first step reads them once from the table every rank reduced
+    (`learn`, the plan's one host read). A parameter frozen or unfrozen later, that this rank holds
+    no piece of, changes the table but not this rank's pieces: the step sees it on the device and
+    takes the norm of every parameter with a gradient in float64 instead of in stock's order.
+
+    Args:
+        tensors, owners, n_params: as `clip_grad_norm_` gets them.
+        device: where the pieces (and the table) are.
+    """
+
+    def __init__(self, tensors, owners, n_params: int, device: torch.device):
+        self.device = device
+        self.kept = [k for k, t in enumerate(tensors) if t.grad is not None]   # pieces with a gradient
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for k in self.kept:
+            if owners[k][1]:
+                by_dtype.setdefault(tensors[k].grad.dtype, []).append(k)
+        # Whole parameters: one fused norm per dtype, in the gradient's dtype (stock's own call).
+        self.whole = [self._indexed(positions, owners) for positions in by_dtype.values()]
+        # Cut parameters: each piece's norm in float64, summed over ranks as |g|^p.
+        self.cut = self._indexed([k for k in self.kept if not owners[k][1] and tensors[k].numel()], owners)
+        self.every = self._indexed([k for k in self.kept if tensors[k].numel()], owners)   # the inf norm's
+        # What this rank adds to the table's other rows, the same every step: whether it holds the
+        # parameter whole, its norm dtype's code, and that it holds a piece with a gradient.
+        flags = [[0.0] * n_params for _ in range(3)]
+        for k in self.kept:
+            i, whole = owners[k]
+            flags[0][i], flags[1][i], flags[2][i] = float(whole), float(_code(tensors[k].grad.dtype, i)), 1.0
+        self.flags = torch.tensor(flags, dtype=torch.float64, device=device)
+        self.groups: list[tuple[torch.dtype, torch.Tensor]] | None = None   # stock's groups, once learned
+        self.dtype = torch.float32       # the promoted dtype the norm is taken in (stock's empty norm: float32)
+        self.codes: torch.Tensor | None = None   # per parameter, the code the groups were learned from
+
+    def _indexed(self, positions: list[int], owners) -> tuple[list[int], torch.Tensor]:
+        return positions, torch.tensor([owners[k][0] for k in positions], dtype=torch.long, device=self.device)
+
+    def local_norms(self, tensors, norm_type: float) -> torch.Tensor:
+        """Per parameter, this rank's part: a whole one's norm, a cut one's sum of |g|^p (inf: its max)."""
+        values = torch.zeros(self.flags.shape[1], dtype=torch.float64, device=self.device)
+        if math.isinf(norm_type):   # a max is exact in any dtype
+            positions, index = self.every
+            if positions:
+                norms = torch._foreach_norm([tensors[k].grad for k in positions], norm_type, dtype=torch.float64)
+                values.scatter_reduce_(0, index, torch.stack(norms), "amax")
+            return values
+        for positions, index in self.whole:
+            norms = torch._foreach_norm([tensors[k].grad for k in positions], norm_type)
+            values.index_add_(0, index, torch.stack(norms).to(torch.float64))
+        positions, index = self.cut
+        if positions:
+            norms = torch._foreach_norm([tensors[k].grad for k in positions], norm_type, dtype=torch.float64)
+            values.index_add_(0, index, torch.stack(norms).pow(norm_type))
+        return values
+
+    def learn(self, codes: torch.Tensor) -> None:
+        """Stock's groups and dtype from every parameter's code (the plan's one host read)."""
+        present = [(i, NORM_DTYPES[int(c) - 1]) for i, c in enumerate(codes.tolist()) if c > 0]
+        # torch's own grouping, on empty stand-ins of the same dtypes in the same order: its
+        # dict's order is not the order of first appearance, and the sum's order is the norm's rounding.
+        stand_ins = [torch.empty(0, dtype=d, device=self.device) for _, d in present]
+        grouped = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)
+        self.groups = [(d, torch.tensor([present[k][0] for k in positions], dtype=torch.long, device=self.device))
+                       for (_, d), (_, positions) in grouped.items()]
+        if self.groups:
+            self.dtype = functools.reduce(torch.promote_types, [d for d, _ in self.groups])
+        self.codes = codes
+
+    def total_norm(self, table: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """The norm of every rank's gradients from the reduced table: stock's arithmetic, on the device."""
+        codes = table[2] / table[3].clamp(min=1)   # summed over the ranks holding a piece: code * count
+        norms = table[0] if math.isinf(norm_type) else torch.where(table[1] > 0, table[0], table[0].pow(1.0 / norm_type))
+        if self.groups is None:
+            self.learn(codes)
+        # Each norm rounded as stock's: a cut one, exact in float64, first to where torch accumulates.
+        parts = [norms.index_select(0, index).to(_ACCUMULATES_IN.get(d, d)).to(d).to(self.dtype)
+                 for d, index in self.groups]
+        total = (torch.linalg.vector_norm(torch.cat(parts), norm_type) if parts
+                 else torch.zeros((), dtype=self.dtype, device=self.device))
+        # Which parameters have a gradient changed since `learn` (see the class's note): all of them, in float64.
+        now = torch.where(codes > 0, norms, 0.0)
+        anyway = now.amax() if math.isinf(norm_type) else now.pow(norm_type).sum().pow(1.0 / norm_type)
+        return torch.where((codes != self.codes).any(), anyway.to(self.dtype), total)
+
+
+def _code(dtype: torch.dtype, i: int) -> int:
+    if dtype not in NORM_DTYPES:
+        raise ValueError(f"clip_grad_norm_ under grad_sync='sharded' takes norms of {', '.join(map(str, NORM_DTYPES))} "
+                         f"gradients; parameter {i} has a {dtype} gradient. Use grad_sync='overlap' for it")
+    return NORM_DTYPES.index(dtype) + 1
+
+
+# Plans by this rank's pieces (`_plan_for`); a few, for a re-plan that goes back to a layout (bucket_mb="auto").
+_PLANS: dict[tuple, _ClipPlan] = {}
+_PLANS_KEPT = 8
+
+
+def _plan_for(tensors, owners, n_params: int, device) -> _ClipPlan:
+    """This rank's plan for these pieces, built on first use (a host read there, none in later steps)."""
+    key = (tuple(owners), tuple(None if t.grad is None else t.grad.dtype for t in tensors), n_params, device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        while len(_PLANS) >= _PLANS_KEPT:
+            del _PLANS[next(iter(_PLANS))]
+        plan = _PLANS[key] = _ClipPlan(tensors, owners, n_params, device)
+    return plan
+
+
 @torch.no_grad()
 def clip_grad_norm_(tensors, owners, n_params: int, group, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, foreach: bool | None = None, device=None) -> torch.Tensor:
@@ -180,46 +308,28 @@ def clip_grad_norm_(tensors, owners, n_params: int, group, max_norm: float, norm
         n_params: how many parameters ``i`` ranges over (the same on every rank).
         group: the process group the slices are spread over.
 
-    Stock takes each parameter's norm (``_foreach_norm``, in the gradient's dtype), stacks them in
-    parameter order and takes the norm of that. A parameter whole in one piece gets exactly that
-    per-parameter norm here; one cut between pieces (a bucket's slice boundary) gets its norm from
-    float64 partial sums, rounded once: it can differ from stock's in the last bit, and only then
-    can the coefficient.
+    Stock takes each parameter's norm (``_foreach_norm``, in the gradient's dtype), stacks them
+    grouped by dtype in the promoted dtype and takes the norm of that. A parameter whole in one
+    piece gets exactly that per-parameter norm here; one cut between pieces (a bucket's slice
+    boundary) gets its norm from float64 partial sums, rounded as torch rounds its own (through
+    float32 to a bfloat16 or float16 gradient's dtype): it can differ from stock's in the last bit,
+    and only then can the coefficient. One all-reduce; no host sync after a plan's first step
+    (`_ClipPlan`) unless ``error_if_nonfinite``, which reads the norm as stock does.
     """
     norm_type = check_norm_type(norm_type)
-    kept = [(t, i, whole) for t, (i, whole) in zip(tensors, owners) if t.grad is not None]
-    device = kept[0][0].device if kept else (device or torch.device("cpu"))
-    dtype = kept[0][0].grad.dtype if kept else torch.float32
-    if math.isinf(norm_type):   # a max is exact in any order and dtype
-        grads = [t.grad for t, _, _ in kept if t.grad.numel()]
-        total = (torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float64)).max() if grads
-                 else torch.zeros((), dtype=torch.float64, device=device)).to(device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
-    else:
-        # Rows: a whole parameter's norm, or a cut one's sum of |g|^p over this rank's pieces; whether
-        # the parameter is whole somewhere; whether it has a gradient. One all-reduce (SUM) of it all.
-        table = torch.zeros(3, n_params, dtype=torch.float64, device=device)
-        whole = [(t.grad, i) for t, i, w in kept if w]
-        cut = [(t.grad, i) for t, i, w in kept if not w and t.grad.numel()]
-        if whole:   # as stock: each parameter's norm in its gradient's dtype
-            index = torch.tensor([i for _, i in whole], device=device)
-            norms = torch._foreach_norm([g for g, _ in whole], norm_type)
-            table[0].index_add_(0, index, torch.stack(norms).to(device, torch.float64))
-            table[1].index_fill_(0, index, 1.0)
-        if cut:
-            index = torch.tensor([i for _, i in cut], device=device)
-            norms = torch._foreach_norm([g for g, _ in cut], norm_type, dtype=torch.float64)
-            table[0].index_add_(0, index, torch.stack(norms).to(device).pow(norm_type))
-        if kept:
-            table[2].index_fill_(0, torch.tensor([i for _, i, _ in kept], device=device), 1.0)
-        dist.all_reduce(table, group=group)
-        per_param = torch.where(table[1] > 0, table[0], table[0].pow(1.0 / norm_type))[table[2] > 0]
-        total = torch.linalg.vector_norm(per_param.to(dtype), norm_type)
-    total = total.to(dtype)
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+    grads = [t.grad for t in tensors if t.grad is not None]
+    device = grads[0].device if grads else (device or torch.device("cpu"))
+    if n_params == 0:   # the same on every rank: nothing to reduce
+        return torch.zeros((), device=device)
+    plan = _plan_for(tensors, owners, n_params, device)
+    # Rows: each parameter's norm (or sum of |g|^p, or max), then the plan's flags (`_ClipPlan`).
+    table = torch.cat([plan.local_norms(tensors, norm_type)[None], plan.flags])
+    dist.all_reduce(table, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
+    total = plan.total_norm(table, norm_type)
+    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):   # a host read, as in stock
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
                            f"clipped. To disable this error and scale the gradients by the non-finite norm "
                            f"anyway, set error_if_nonfinite=False")
-    if kept:
-        torch.nn.utils.clip_grads_with_norm_([t for t, _, _ in kept], max_norm, total, foreach)
+    if plan.kept:
+        torch.nn.utils.clip_grads_with_norm_([tensors[k] for k in plan.kept], max_norm, total, foreach)
     return total
