@@ -48,6 +48,8 @@ def _host_sync(func, args) -> str | None:
         return f"{func} with a boolean mask (a nonzero)"
     if packet in _FRESH and args[0].dim() > 0:
         return f"{func}: a tensor made from a Python list (a copy from pageable memory to the device)"
+    if packet is aten.copy_ and args[1].dim() == 0 and args[0]._base is not None:
+        return f"{func} of a 0-dim tensor into a tensor's element (from the host, one value at a time)"
     return None
 
 
@@ -190,6 +192,30 @@ def _trainer_steps(rank, tmp, mode: str) -> dict:
     return {"found": ours, "ran": syncs.ran, "all": len(syncs.found)}
 
 
+def _save_copies(rank, layers: int) -> dict:
+    """The sharded optimizer's whole state gathered (a checkpoint's save): its copies of host values."""
+    from hfstream.gradsync import GradSync
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    sync = GradSync(model, mode="sharded", bucket_mb=1.0)   # one bucket, however many layers
+    optimizer = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))   # a CPU ``step`` per piece
+    try:
+        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        sync.finish()
+        optimizer.step()
+        syncs = HostSyncs()
+        with syncs:
+            syncs.recording = True
+            whole = sync.optimizer_state_dict()
+    finally:
+        sync.close()
+    # Copies from the host only: a read of a CPU tensor (Adam's step) is no sync on any device.
+    copies = [f for f in syncs.found if "shard_state.py" in f and ("lift_fresh" in f or "copy_" in f)]
+    return {"found": copies, "buckets": len(sync.buckets),
+            "steps": sorted({float(s["step"]) for s in whole["state"].values()}), "entries": len(whole["state"])}
+
+
 def _steps(rank, world_size, tmp):
     import torch.distributed as dist
 
@@ -197,6 +223,7 @@ def _steps(rank, world_size, tmp):
     out = {f"trainer-{mode}": _trainer_steps(rank, tmp, mode) for mode in ("overlap", "sharded")}
     assert dist.is_initialized() and dist.get_world_size() == 2
     out.update({mode: _gradsync_steps(rank, mode) for mode in ("overlap", "sharded")})
+    out.update({f"save-{layers}": _save_copies(rank, layers) for layers in (4, 16)})
     return out
 
 
@@ -234,3 +261,13 @@ def test_a_steady_trainer_step_makes_no_host_sync_in_hfstream(steps, mode):
         got = out[f"trainer-{mode}"]
         assert got["found"] == [], f"rank {rank}, {mode}: " + "\n".join(got["found"])
         assert got["ran"]["pack"] > 0   # the steps were watched, hooks included
+
+
+def test_saving_the_sharded_optimizer_copies_its_host_values_per_bucket_not_per_parameter(steps):
+    # Adam's ``step`` is a 0-dim CPU tensor per piece. Gathering the whole state sends it through the
+    # device: one copy of the bucket's values, not one synchronising copy per parameter (issue 42).
+    for out in steps:
+        small, large = out["save-4"], out["save-16"]
+        assert small["buckets"] == large["buckets"] == 1
+        assert (small["entries"], large["entries"]) == (8, 32) and small["steps"] == large["steps"] == [1.0]
+        assert len(large["found"]) == len(small["found"]), "\n".join(large["found"])

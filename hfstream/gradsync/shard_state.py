@@ -126,17 +126,23 @@ def _element_slice(optimizer, sh, key, dtype) -> torch.Tensor:
 
 def _param_values(optimizer, sh, keys, group) -> tuple[list[bool], dict]:
     """Per parameter of one bucket: whether any rank has state, and each per-parameter key's value (a collective)."""
-    n = len(sh.params)
-    table = torch.full((1 + len(keys), n), -float("inf"), dtype=torch.float64, device=sh.master.device)
+    rows = [[-float("inf")] * len(sh.params) for _ in range(1 + len(keys))]
+    on_device = []   # (row, slot, value) of state that lives on the device (fused AdamW's ``step``)
     for pc, t in zip(sh.pieces, sh.tensors):
         state = optimizer.state.get(t)
         if state:
-            table[0, pc.slot] = 1.0
+            rows[0][pc.slot] = 1.0
             for row, k in enumerate(keys, start=1):
                 if k in state:
-                    # A tensor (fused AdamW's on-device ``step``) is copied on the device: float() here
-                    # would be one host sync per piece; the table is read once, after the reduction.
-                    table[row, pc.slot] = state[k]
+                    if state[k].device.type == "cpu":   # Adam's ``step``: read here, where it is
+                        rows[row][pc.slot] = float(state[k])
+                    else:
+                        on_device.append((row, pc.slot, state[k]))
+    # One copy to the device for the whole table, not one synchronising copy per value; state on the
+    # device is copied there (float() would make the host wait for it), the table read once, after the reduction.
+    table = torch.tensor(rows, dtype=torch.float64, device=sh.master.device)
+    for row, slot, value in on_device:
+        table[row, slot] = value
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
     rows = table.tolist()
     return [v > 0 for v in rows[0]], {k: rows[row] for row, k in enumerate(keys, start=1)}
@@ -155,12 +161,16 @@ def _whole_of_bucket(optimizer, st, keys, group, world_size, device=None) -> dic
             if id(p) in out:
                 piece = whole[o:o + n].view(p.shape)
                 out[id(p)][key] = (piece.to(device) if device else piece).clone()
+    # Each per-parameter key's values made into one tensor where they go (one copy to the device,
+    # not one per parameter), then one 0-dim tensor per parameter cut from it.
+    made = {key: torch.tensor([0 if v == -float("inf") else v for v in values[key]], dtype=dtype,
+                              device=device or ("cpu" if on_cpu else sh.master.device))
+            for key, (dtype, on_cpu) in param.items()}
     for slot, p in enumerate(sh.params):
         if id(p) in out:
-            for key, (dtype, on_cpu) in param.items():
+            for key in param:
                 if values[key][slot] != -float("inf"):
-                    where = device or ("cpu" if on_cpu else sh.master.device)
-                    out[id(p)][key] = torch.tensor(values[key][slot], dtype=dtype, device=where)
+                    out[id(p)][key] = made[key][slot].clone()
             for key, v in constant.items():
                 out[id(p)].setdefault(key, v.clone() if torch.is_tensor(v) else v)
     return out
