@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -244,12 +245,14 @@ class StepTimeline:
         self._cur: _PendingStep | None = None
         self._data_t0 = 0.0
         self._fwd: Any = None
-        # This thread's host intervals, ``(kind, start, end, cpu_ms)`` for kind "data", "forward" and
-        # "backward": perf_counter and time.thread_time around them, so the advice can tell a data wait
-        # spent computing from one spent waiting, and see the step's own thread lose CPU time to a
-        # producer beside it (`hfstream.advice`). Host times, also on an accelerator.
+        # The training thread's host intervals, ``(kind, start, end, cpu_ms)`` for kind "data",
+        # "forward" and "backward": perf_counter and that thread's CPU clock (`_ThreadCPU`) around
+        # them, so the advice can tell a data wait spent computing from one spent waiting, and see
+        # the step's own thread lose CPU time to a producer beside it (`hfstream.advice`). Host
+        # times, also on an accelerator.
         self.host_intervals: deque[tuple[str, float, float, float]] = deque(maxlen=8 * span_capacity)
         self._host_mark = (0.0, 0.0)
+        self._cpu = _ThreadCPU()   # the training thread's CPU clock: the one that calls begin_step
 
     # -- marks, in step order ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -258,7 +261,9 @@ class StepTimeline:
         # step's parts summed past the step).
         start = self._clock.mark()
         self._data_t0 = time.perf_counter()
-        self._host_mark = (self._data_t0, time.thread_time())
+        if self._cpu.ident != threading.get_ident():
+            self._cpu = _ThreadCPU()
+        self._host_mark = (self._data_t0, self._cpu.seconds())
         self._cur = _PendingStep(step=step, host_start=self._data_t0)
         self._cur.start = start
 
@@ -271,7 +276,7 @@ class StepTimeline:
     def forward_start(self) -> None:
         if self._cur is not None:
             self._fwd = [self._clock.mark(), None, None]
-            self._host_mark = (_host(self._fwd[0]), time.thread_time())
+            self._host_mark = (_host(self._fwd[0]), self._cpu.seconds())
 
     def forward_end(self) -> None:
         if self._cur is not None and self._fwd is not None:
@@ -288,7 +293,7 @@ class StepTimeline:
     def _host_interval(self, kind: str, end: float) -> None:
         """Close the host interval opened at the last mark, and open the next one at ``end``."""
         start, cpu = self._host_mark
-        now_cpu = time.thread_time()
+        now_cpu = self._cpu.seconds()
         self.host_intervals.append((kind, start, end, (now_cpu - cpu) * 1e3))
         self._host_mark = (end, now_cpu)
 
@@ -444,6 +449,28 @@ class StepTimeline:
         self.resolve(wait=wait)
         recs = [r for r in self.records if since_step is None or r.step > since_step]
         return summarize(recs, warmup=warmup if since_step is None else 0)
+
+
+class _ThreadCPU:
+    """One thread's CPU time in seconds, read from any thread.
+
+    A mark may be taken on another thread than the step's: on an accelerator the autograd engine
+    runs backward's final callback (GradSync's, which marks the backward's end and may open the
+    next forward) on its device thread. ``time.thread_time()`` there reads that thread's clock,
+    and an interval opened on one clock and closed on the other is no time at all (it came out
+    negative, or longer than its wall time). Here the training thread's clock is read by its id
+    (``time.pthread_getcpuclockid``); where there is none (not Unix), such an interval is NaN.
+    """
+
+    def __init__(self):
+        self.ident = threading.get_ident()
+        getclock = getattr(time, "pthread_getcpuclockid", None)
+        self._clock = getclock(self.ident) if getclock is not None else None
+
+    def seconds(self) -> float:
+        if threading.get_ident() == self.ident:
+            return time.thread_time()
+        return time.clock_gettime(self._clock) if self._clock is not None else math.nan
 
 
 def _host(mark) -> float:

@@ -401,6 +401,60 @@ def test_host_intervals_cover_the_data_wait_forward_and_backward_in_order(monkey
     assert dcpu > 0 and fcpu > 0 and bcpu > 0 and dcpu % 62.5 == 0   # whole ticks of the CPU clock, in ms
 
 
+def _spin(ms: float) -> None:
+    """Spend ``ms`` of this thread's CPU time."""
+    import time
+
+    end = time.thread_time() + ms / 1e3
+    while time.thread_time() < end:
+        pass
+
+
+def _on_another_thread(fn) -> None:
+    import threading
+
+    t = threading.Thread(target=fn)   # a fresh thread: its own CPU clock is near zero
+    t.start()
+    t.join()
+
+
+def test_marks_taken_on_the_autograd_engines_thread_count_the_training_threads_cpu_time():
+    # On an accelerator the engine runs backward's final callback on its device thread: GradSync's,
+    # which marks the backward's end (and, with a further backward in the step, the next forward's
+    # start). The interval's CPU time is still the training thread's, on one clock at both ends,
+    # whichever thread built the timeline.
+    built = []
+    _on_another_thread(lambda: built.append(StepTimeline()))
+    tl = built[0]
+    tl.begin_step(1)
+    tl.data_ready()
+    tl.forward_start()
+    tl.forward_end()
+    _spin(30.0)                             # the backward, on the training thread
+    _on_another_thread(tl.backward_end)
+    _on_another_thread(tl.forward_start)    # a second forward of the step (FGM, SAM) opened there too
+    _spin(20.0)
+    tl.forward_end()
+    (kind, b0, b1, backward_cpu), (kind2, f0, f1, forward_cpu) = list(tl.host_intervals)[-2:]
+    assert (kind, kind2) == ("backward", "forward")
+    assert 29.0 <= backward_cpu <= (b1 - b0) * 1e3 + 1.0, (backward_cpu, (b1 - b0) * 1e3)
+    assert 19.0 <= forward_cpu <= (f1 - f0) * 1e3 + 1.0, (forward_cpu, (f1 - f0) * 1e3)
+
+
+def test_without_a_clock_for_another_thread_an_interval_marked_there_has_no_cpu_time(monkeypatch):
+    import time
+
+    monkeypatch.delattr(time, "pthread_getcpuclockid")   # not Unix
+    tl = StepTimeline()
+    tl.begin_step(1)
+    tl.data_ready()
+    tl.forward_start()
+    tl.forward_end()
+    _on_another_thread(tl.backward_end)
+    (_, _, _, forward_cpu), (kind, _, _, backward_cpu) = list(tl.host_intervals)[-2:]
+    assert kind == "backward" and math.isnan(backward_cpu) and forward_cpu >= 0
+
+
 class PlacedLater(LateStats):
     """`LateStats`, complete, that also records where it was placed from."""
 
