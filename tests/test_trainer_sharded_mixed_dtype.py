@@ -58,11 +58,10 @@ def test_a_bfloat16_submodule_clips_by_stocks_norm_under_sharded(tmp_path, run_d
     for out in ranks:
         stock, sharded = out["stock"], out["sharded"]
         assert min(stock["grad_norms"]) > 1.0, "the test must clip every step for the norm to matter"
-        worst = max((sharded["params"][k].float() - v.float()).abs().max().item() for k, v in stock["params"].items())
-        print(f"largest parameter difference from stock: {worst:.3g}")
-        assert sharded["grad_norms"] == stock["grad_norms"]
         assert stock["params"]["transformer.h.0.mlp.c_fc.inner.weight"].dtype == torch.bfloat16
         assert set(sharded["params"]) == set(stock["params"])
+        # Before the fix: grad_norm 1.9217259 against stock's 1.9217429 in step 1, parameters 6.1e-5 apart.
+        assert sharded["grad_norms"] == stock["grad_norms"]
         for k, v in stock["params"].items():
             torch.testing.assert_close(sharded["params"][k], v, rtol=0, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
     for k, v in ranks[0]["sharded"]["params"].items():   # replicas identical
