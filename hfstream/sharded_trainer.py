@@ -79,6 +79,10 @@ class CallbackGuard:
         self._sharded_sync = sharded_sync    # the GradSync to wait on, or None: pass every event through
         self._note = note                    # says a note once
         self._call = None                    # the handler's own call_event, while installed
+        # Per GradSync (a train() each): the gradient events for which some rank has a reader, agreed
+        # at the first such event (every rank reaches it; the readers may differ: a callback added
+        # on the main process only), so every rank gathers there, or none does.
+        self._agreed: tuple[object, dict[str, bool]] | None = None
 
     def install(self) -> "CallbackGuard":
         """Put the guard in front of the handler's ``call_event``; returns itself."""
@@ -98,10 +102,10 @@ class CallbackGuard:
             return self._call(event, args, state, control, **kwargs)
         readers = _user_callbacks(self.handler.callbacks, event)
         if readers or event == "on_train_end":
-            sync.wait_for_params()
-        if not readers or event not in _GRADIENT_EVENTS:
+            sync.wait_for_params()   # this rank's own wait: no collective
+        if event not in _GRADIENT_EVENTS or not self._gathers_for(sync, event, readers):
             return self._call(event, args, state, control, **kwargs)
-        names = ", ".join(sorted({type(cb).__name__ for cb in readers}))
+        names = ", ".join(sorted({type(cb).__name__ for cb in readers})) or "a callback on another rank"
         self._note(f"hfstream: {names} implements {event}, where the stock Trainer holds the mean gradient "
                            f"in .grad; under grad_sync='sharded' each rank holds only its slice, so hfstream gathers "
                            f"the whole gradient for it every step (one all-gather of the gradients, their memory "
@@ -113,6 +117,21 @@ class CallbackGuard:
         finally:
             # Before the step a callback may have changed .grad (custom clipping): the slices take it.
             reduction.scatter_gradients() if event == "on_pre_optimizer_step" else _release(sync)
+
+
+    def _gathers_for(self, sync, event: str, readers: list) -> bool:
+        """Whether ``event`` gathers the whole gradient on every rank: agreed at the first gradient event."""
+        if self._agreed is None or self._agreed[0] is not sync:
+            here = [bool(_user_callbacks(self.handler.callbacks, e)) for e in _GRADIENT_EVENTS]
+            self._agreed = (sync, dict(zip(_GRADIENT_EVENTS, sync.agree(*here))))
+        agreed = self._agreed[1][event]
+        if readers and not agreed:
+            names = ", ".join(sorted({type(cb).__name__ for cb in readers}))
+            self._note(f"hfstream: {names} implements {event} but was added on this rank after training began: "
+                       f"under grad_sync='sharded' the ranks agreed at the first step which events gather the "
+                       f"whole gradient, so it sees .grad of None. Add it before train(), on every rank that "
+                       f"trains, or use grad_sync='overlap'")
+        return agreed
 
 
 def _release(sync) -> None:

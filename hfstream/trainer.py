@@ -108,6 +108,7 @@ class StreamTrainerMixin:
         self._user_training_step = _own_training_step(type(self))
         self._reads_gradients: bool | None = None   # sharded: whether that step reads .grad (first step watched)
         self._gradient_reads = None                 # the first step's watch, while it runs
+        self._step_began = True   # sharded: the next synchronising backward is an optimizer step's first
         from .sharded_trainer import CallbackGuard
 
         CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._zero1_optimizer else None,
@@ -240,8 +241,11 @@ class StreamTrainerMixin:
             )
             release_at_exit(self.grad_sync)   # a finished run must exit 0 (clean_exit.py)
             # Only the Trainer's own training step synchronises: a backward in a callback (a gradient
-            # diagnostic) accumulates locally, as under DDP, whose reducer only follows its forward.
+            # diagnostic) accumulates locally, and a forward there (on one rank, say) broadcasts
+            # nothing, as under DDP, whose reducer only follows forwards through its wrapper.
             self.grad_sync.require_backward_grad_sync = False
+            self.grad_sync.follow_forwards = False
+            self._step_began = True
             if self.grad_sync_mode == "sharded":
                 self._shard_optimizer()
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
@@ -360,10 +364,13 @@ class StreamTrainerMixin:
         whole = syncs and self._whole_gradients_in_step
         if sync is not None:
             sync.require_backward_grad_sync = syncs
+            sync.follow_forwards = True
             sync.after_backward = self._backward_ended if syncs else None
             self._backwards, self._whole_in_window = 0, whole
             if self._zero1_optimizer:
-                sharded_reduction(sync).accumulate = False
+                # The slices start from this backward's mean at an optimizer step's first synchronising
+                # micro-step; a later one (Accelerate's sync_each_batch) adds to them, as .grad does.
+                sharded_reduction(sync).accumulate = syncs and not self._step_began
         if timeline is not None:
             timeline.forward_start()
         try:
@@ -371,7 +378,10 @@ class StreamTrainerMixin:
         finally:
             if sync is not None:
                 sync.require_backward_grad_sync = False   # until the next training step
+                sync.follow_forwards = False
                 sync.after_backward = None
+                if syncs:
+                    self._step_began = self.accelerator.sync_gradients   # the optimizer steps next
         if timeline is not None:
             timeline.backward_end()
         if sync is not None and syncs:
@@ -399,12 +409,14 @@ class StreamTrainerMixin:
             self._note(note)
         self._backwards += 1
         if self._zero1_optimizer:
+            reduction = sharded_reduction(sync)
             if self._whole_in_window:
-                sharded_reduction(sync).gather_gradients()   # the mean, whole, in .grad: a further backward adds to it
+                reduction.gather_gradients()   # the mean, whole, in .grad: a further backward adds to it there
+                reduction.accumulate = False   # (so the slices must not carry it as well)
                 if self._gradient_reads is not None:
                     self._gradient_reads.gathered(sync.hooked_parameters)
             else:
-                sharded_reduction(sync).accumulate = True    # a further backward adds its mean to the slices'
+                reduction.accumulate = True    # a further backward adds its mean to the slices'
         if timeline is not None and sync.after_backward is not None:
             timeline.forward_start()   # a further forward of this step (FGM, SAM) is timed from here
 
@@ -452,11 +464,13 @@ class StreamTrainerMixin:
                        f"grad_sync='sharded' every step now waits for the parameter all-gathers before it, so "
                        f"they no longer overlap the forward. Compute such terms after the forward to keep it")
         if reads is not None:
-            touched = reads.touched(self.grad_sync.hooked_parameters) or self._backwards > 1
-            self._reads_gradients = touched
+            here = reads.touched(self.grad_sync.hooked_parameters) or self._backwards > 1
+            # Every rank gathers in every step, or none does: the step may read .grad on one rank only
+            # (a log line on the main process), and a gather on that rank alone would wait forever.
+            touched = self._reads_gradients = self.grad_sync.agree(here)[0]
             if touched:
-                self._note(f"hfstream: {where} reads or changes .grad inside the step, or runs {self._backwards} "
-                           f"backward(s): under grad_sync='sharded' each rank keeps only its slice of the mean "
+                self._note(f"hfstream: {where} reads or changes .grad inside the step (on some rank), or runs "
+                           f"{self._backwards} backward(s): under grad_sync='sharded' each rank keeps only its slice of the mean "
                            f"gradient, so hfstream gathers the whole mean gradient into .grad after every backward "
                            f"of the step, as the stock Trainer holds it (an all-gather of the gradients per backward, "
                            f"their memory again). For norms only, read trainer.grad_sync.grad_norms() instead")

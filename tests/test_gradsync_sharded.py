@@ -279,16 +279,12 @@ def test_parity_runs_exercise_clipping_buckets_and_the_tied_frozen_and_unused_pa
 
 
 @pytest.mark.multiprocess
-def test_a_parameter_without_gradient_is_said_once_with_how_sharded_differs_from_ddp(parity):
-    # The branch is unused on rank 1 only: rank 1 says so (it is still stepped with the mean).
-    def unused_notes(out):
-        return [n for n in out["notes"] if "got no gradient" in n]
-
-    assert unused_notes(parity[0]["several"]) == []
-    notes = unused_notes(parity[1]["several"])
-    assert len(notes) == 1, notes
-    note = notes[0]
-    assert "branch.weight" in note and "zero mean gradient and is stepped" in note and "requires_grad_(False)" in note
+def test_a_parameter_used_on_one_rank_only_needs_no_note(parity):
+    # The branch is unused on rank 1 only: it gets the mean (rank 0's gradient / 2), as under DDP, so
+    # there is nothing to say (until round 5 a note said sharded stepped a parameter no rank used;
+    # now such a parameter keeps .grad None: tests/test_trainer_rank_asymmetric.py, "moe-idle-experts").
+    for rank in (0, 1):
+        assert not [n for n in parity[rank]["several"]["notes"] if "got no gradient" in n]
 
 
 def test_bf16_wire_stays_within_tolerance(parity):

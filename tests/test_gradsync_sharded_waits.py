@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+from torch.nn.utils import prune
 
 from hfstream.gradsync import GradSync
 
@@ -66,3 +67,35 @@ def test_the_sharded_last_bucket_is_at_most_a_mebibyte(run_distributed):
     sizes, _ = run_distributed(_bucket_bytes, 2, timeout=60)
     small = [b for b in sizes if b <= 2**20 + 4096]
     assert max(sizes) > 2 * 2**20 and sizes[-1] <= 2**20 + 4096 and len(small) >= 3, sizes
+
+
+def _rebuilt_by_a_pre_hook(rank, world_size):
+    """torch.nn.utils.prune's pre-hook rebuilds ``weight`` from ``weight_orig``: it must read it gathered."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 1))
+    prune.l1_unstructured(model[1], "weight", amount=0.5)   # registered before GradSync's hooks
+    sync = GradSync(model, mode="sharded", bucket_mb=0)
+    sync.keep_plan()
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    bucket = next(st.plan.index for st in sync.bucket_states if "1.weight_orig" in st.plan.names)
+    pending_when_rebuilt = []
+    # Right behind prune's hook among the module's own pre-hooks (GradSync places its wait after the
+    # first forward), so it sees the bucket as prune's hook saw it.
+    model[1].register_forward_pre_hook(lambda *_: pending_when_rebuilt.append(bucket in sync.params_pending))
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        model(torch.randn(4, 16, generator=g)).square().mean().backward()
+        sync.finish()
+        opt.step()
+        opt.zero_grad()
+    sync.close()
+    return pending_when_rebuilt
+
+
+@pytest.mark.multiprocess
+def test_a_weight_rebuilt_by_a_forward_pre_hook_reads_its_parameters_gathered(run_distributed):
+    for rank, pending in enumerate(run_distributed(_rebuilt_by_a_pre_hook, 2, timeout=120)):
+        assert len(pending) == 3 and pending[0] is False, pending   # the first forward: nothing in flight yet
+        assert pending[1:] == [False, False], (
+            f"rank {rank}: prune's pre-hook ran while the all-gather of weight_orig's bucket was in flight "
+            f"({pending}): GradSync's wait must come first among the module's pre-hooks")

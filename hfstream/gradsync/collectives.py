@@ -68,3 +68,23 @@ def sum_received(received: torch.Tensor, out: torch.Tensor, world_size: int) -> 
 def launch_all_gather(out: torch.Tensor, mine: torch.Tensor, group):
     """Start gathering every rank's ``mine`` (S elements) into ``out`` (N * S, rank order); returns the async work."""
     return _all_gather(out, mine, group=group, async_op=True)
+
+
+def host_group(group, note):
+    """A group over ``group``'s ranks whose backend reduces CPU tensors: ``group`` itself where it does (gloo).
+
+    For flags that live on the host (which parameters got a gradient here): reducing them there
+    makes neither side wait for a device. On NCCL a gloo group is created (torch's ``new_group``,
+    which every process of the world must call); where ``group`` spans part of the world only,
+    None is returned and that is said once.
+    """
+    backend = str(dist.get_backend(group)).lower()
+    if backend == "gloo" or "cpu:" in backend:
+        return group
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) != dist.get_world_size():
+        note("GradSync(mode='sharded'): no host group beside a process group that spans part of the world, so a "
+             "parameter that no rank used in a step gets a zero mean gradient and is stepped (weight decay, "
+             "momentum), where DDP leaves it untouched; freeze such parameters, or use grad_sync='overlap'")
+        return None
+    return dist.new_group(ranks=ranks, backend="gloo")

@@ -97,7 +97,9 @@ class ForwardWaits:
 
     def _hook(self, module: torch.nn.Module, indices: list[int]) -> None:
         hook = eager_hook(functools.partial(self._before_forward, indices))
-        self._waits.append(module.register_forward_pre_hook(hook))
+        # First among the module's pre-hooks: one of the user's that rebuilds a weight from parameters
+        # (torch.nn.utils.prune, weight_norm, spectral_norm) must read them gathered.
+        self._waits.append(module.register_forward_pre_hook(hook, prepend=True))
 
     def _before_forward(self, indices: list[int], module, _args) -> None:
         self._wait(indices, module)

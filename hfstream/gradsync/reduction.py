@@ -104,9 +104,6 @@ class Reduction:
     def all_reduced(self, ok: bool) -> None:
         pass
 
-    def first_step_unused(self, names: list[str]) -> None:
-        """Trainable parameters no gradient reached in the first synchronised step (rank 0's view)."""
-
     def close(self) -> None:
         pass
 

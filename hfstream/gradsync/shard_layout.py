@@ -159,10 +159,12 @@ class BucketShard:
         """Parameters written since we last wrote or read them (a callback, an EMA swap-in, surgery)."""
         return [s for s, p in enumerate(self.params) if self._versions[s] != (p.data_ptr(), p._version)]
 
-    def set_grads(self) -> None:
-        """The mean gradient as the pieces' ``.grad``; None for a parameter frozen now, which the optimizer skips."""
+    def set_grads(self, unused: frozenset = frozenset()) -> None:
+        """The mean gradient as the pieces' ``.grad``; None (the optimizer skips it) for a parameter frozen now,
+        or whose slot is in ``unused`` (no rank used it in the step, as DDP leaves its ``.grad``)."""
         for pc, t in zip(self.pieces, self.tensors):
-            t.grad = self.grad[pc.start:pc.end] if self.params[pc.slot].requires_grad else None
+            keep = self.params[pc.slot].requires_grad and pc.slot not in unused
+            t.grad = self.grad[pc.start:pc.end] if keep else None
 
     @torch.no_grad()
     def write_back(self) -> None:

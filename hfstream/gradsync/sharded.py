@@ -28,7 +28,6 @@ Between the step and the next forward the parameters are stale; whatever reads t
 from __future__ import annotations
 
 import datetime
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -47,8 +46,6 @@ class ShardedReduction(Reduction):
 
     Args:
         wiring: what GradSync shares (`reduction.Wiring`).
-        before_gathers: called before the step launches its first all-gather; returns None, or what
-            to call once they are all launched (GradSync's buffer broadcast, ``broadcast_buffers``).
 
     Attributes:
         optimizer: the sharded optimizer, once `shard_optimizer` was called (None before).
@@ -60,9 +57,8 @@ class ShardedReduction(Reduction):
     # tail short (DDP's small first bucket, at the other end). 1 MiB, as DDP's first.
     last_bucket_mb = 1.0
 
-    def __init__(self, wiring: Wiring, before_gathers: Callable[[], Callable[[], None] | None] = lambda: None):
+    def __init__(self, wiring: Wiring):
         super().__init__(wiring)   # self.states: the current plan's buckets, each with its `BucketShard`
-        self.before_gathers = before_gathers   # GradSync's: what goes out ahead of the step's all-gathers
         # gloo: the reduce-scatter is an all-to-all plus a local sum (`collectives.reduces_locally`).
         self.local_sum = wiring.group is not None and collectives.reduces_locally(wiring.group)
         self.optimizer: torch.optim.Optimizer | None = None   # the ZeRO-1 optimizer, once `attach` ran
@@ -74,11 +70,20 @@ class ShardedReduction(Reduction):
         self.closed = False   # after close(): a second train() re-cuts the optimizer it sharded
         self._stepped_groups = None   # the param groups, while a pipelined step left them empty
         self._bucket_groups: list = []   # per bucket: its pieces per param group (`_install`)
+        self._unhooked: list = []   # (name, parameter) the optimizer holds but GradSync does not hook (`attach`)
         # A further backward of the same step (FGM, two losses) adds its mean to the slices' mean
         # instead of replacing it, as .grad accumulates in stock; the Trainer sets it after the
         # step's first backward. _carried: bucket index -> the slice's mean before that backward.
         self.accumulate = False
         self._carried: dict[int, torch.Tensor] = {}
+        # [Note: unused under sharded] Which parameters some rank used this step, OR-ed over the
+        # ranks on the host (`collectives.host_group`: no device waits): one that no rank used keeps
+        # its pieces' .grad None and is not stepped, as DDP(find_unused_parameters=True) leaves it.
+        self._flags_group = (collectives.host_group(wiring.group, wiring.note)
+                             if wiring.group is not None and wiring.world_size > 1 else None)
+        self._flags = None   # (the step's flags all-reduce in flight, its tensor)
+        self._used_before: list[bool] | None = None   # the flags a carrying backward adds to
+        self._unused: set[int] = set()   # id() of the parameters no rank used in the step just reduced
 
     @property
     def attached(self) -> bool:
@@ -105,7 +110,7 @@ class ShardedReduction(Reduction):
                 self._rebuild(previous)
             self._install()
             for st in states:
-                st.shard.set_grads()
+                self._set_grads(st)
 
     def _build(self) -> None:
         w = self.wiring
@@ -156,6 +161,11 @@ class ShardedReduction(Reduction):
         ``whole``: state it had before (the unsharded form), cut into this rank's pieces.
         """
         self.optimizer, self.group_of = optimizer, group_of
+        names = {id(p): n for n, p in self.wiring.model.named_parameters()}
+        # Parameters the optimizer was given that GradSync does not hook (frozen when it was built):
+        # the sharded optimizer holds no piece of them (`_say_unhooked_gradients`).
+        self._unhooked = [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]
+                          if id(p) not in self._index and id(p) in names]
         self._build()
         self._install()
         w = self.wiring
@@ -194,13 +204,6 @@ class ShardedReduction(Reduction):
         for st in self.states:
             if st.shard is not None:
                 st.shard.refresh()
-
-    def first_step_unused(self, names: list[str]) -> None:
-        self.wiring.note(
-            f"GradSync(mode='sharded') rank {self.wiring.rank}: {len(names)} trainable parameter(s) got no gradient "
-            f"in the first step ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}). One that no rank uses "
-            f"still gets a zero mean gradient and is stepped (weight decay and momentum move it), where DDP "
-            f"leaves it untouched; freeze it (requires_grad_(False)) if it must not change")
 
     # -- the first half: gradients ------------------------------------------------------------------
     def forward_started(self) -> None:
@@ -243,7 +246,35 @@ class ShardedReduction(Reduction):
         if self.accumulate:
             self._carried[st.plan.index] = sh.grad.clone()   # the collective writes sh.grad (or received, then it)
         out = sh.received if (self.local_sum or sh.received is not None) else sh.grad
-        return collectives.launch_reduce_scatter(st.buffer, out, self.wiring.group, self.local_sum)
+        work = collectives.launch_reduce_scatter(st.buffer, out, self.wiring.group, self.local_sum)
+        if st is self.states[-1] and self._flags_group is not None:
+            self._launch_flags()   # launched in plan order: every parameter's flag is final now
+        return work
+
+    def _launch_flags(self) -> None:
+        used = [u for st in self.states for u in st.used]
+        if self.accumulate and self._used_before is not None:   # a further backward of the step
+            used = [a or b for a, b in zip(used, self._used_before)]
+        # Host bytes, reduced on the host group: on an accelerator nothing here touches the device.
+        t = torch.frombuffer(bytearray(used), dtype=torch.uint8)
+        self._flags = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flags_group, async_op=True), t)
+
+    @torch.no_grad()
+    def all_reduced(self, ok: bool) -> None:
+        flags, self._flags = self._flags, None
+        if not ok or flags is None:
+            return
+        work, t = flags
+        work.wait()
+        used = self._used_before = t.numpy().astype(bool).tolist()   # host memory: no device to wait for
+        params = [p for st in self.states for p in st.params]
+        self._unused = {id(p) for p, u in zip(params, used) if not u}
+        for st in self.states:
+            self._set_grads(st)
+
+    def _set_grads(self, st: BucketState) -> None:
+        """The pieces' ``.grad`` from the slices, None for what no rank used in the step just reduced."""
+        st.shard.set_grads(frozenset(slot for slot, p in enumerate(st.params) if id(p) in self._unused))
 
     @torch.no_grad()
     def reduced(self, st: BucketState) -> None:
@@ -331,6 +362,18 @@ class ShardedReduction(Reduction):
                                                 self.wiring.world_size, keep)
 
     # -- the second half: parameters ----------------------------------------------------------------
+    def _say_unhooked_gradients(self) -> None:
+        """Said once: a parameter frozen when the optimizer was sharded has a gradient now (unfrozen mid-run)."""
+        thawed = [n for n, p in self._unhooked if p.grad is not None]
+        if thawed:
+            self.wiring.note(
+                f"GradSync(mode='sharded'): {', '.join(thawed[:4])}{' ...' if len(thawed) > 4 else ''} "
+                f"{'was' if len(thawed) == 1 else 'were'} frozen when the optimizer was sharded and now "
+                f"{'has a gradient' if len(thawed) == 1 else 'have gradients'} (unfrozen during train()): the sharded "
+                f"optimizer holds slices of the parameters trainable then only, so these are not stepped. (DDP "
+                f"steps them with each rank's own gradient, not averaged, and the replicas drift apart.) Unfreeze "
+                f"before train() (a new train() hooks and shards them), or use grad_sync='overlap' for DDP's behaviour")
+
     def _before_step(self, optimizer, args, kwargs) -> None:
         """The step's pre-hook: keep edits, then step bucket by bucket, each gather launched at once.
 
@@ -345,6 +388,8 @@ class ShardedReduction(Reduction):
         """
         self.adopt_edits()
         self.waits.place()
+        if self._unhooked:
+            self._say_unhooked_gradients()
         # A step pre-hook gets the wrapper's own args, the optimizer first (torch's
         # ``profile_hook_step``): the closure, when passed positionally, is the second.
         closure = args[1] if len(args) > 1 else kwargs.get("closure")
@@ -352,7 +397,6 @@ class ShardedReduction(Reduction):
         if closure is not None or step is None:
             return
         groups = [g["params"] for g in optimizer.param_groups]
-        landing = self.before_gathers()
         try:
             for st, split in zip(reversed(self.states), reversed(self._bucket_groups)):
                 self.wait_bucket(st)   # two steps without a forward between them
@@ -364,9 +408,6 @@ class ShardedReduction(Reduction):
             for group, params in zip(optimizer.param_groups, groups):
                 group["params"] = params
             raise
-        finally:
-            if landing is not None:
-                landing()
         self._stepped_groups = groups
         for group in optimizer.param_groups:
             group["params"] = []
@@ -381,12 +422,9 @@ class ShardedReduction(Reduction):
     def step_done(self) -> None:
         """After a one-call ``optimizer.step()``: launch every bucket's all-gather, in forward order."""
         self.waits.place()
-        landing = self.before_gathers()
         for st in reversed(self.states):
             self.wait_bucket(st)   # two steps without a forward between them
             self._launch_gather(st)
-        if landing is not None:
-            landing()
 
     def _launch_gather(self, st: BucketState) -> None:
         recorder, device, sh = self.wiring.recorder, st.plan.device, st.shard

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 
 from .. import streams
-from . import faults, registry, shard_optim
-from . import broadcast
+from . import broadcast, faults, registry, shard_optim
+from .agreement import any_rank
 from .broadcast import broadcast_from_rank0
 from .bucket_state import BucketState, Phase
 from .buckets import Bucket
@@ -79,6 +79,17 @@ def release_wire_buffers(states: list[BucketState]) -> None:
         st.buffer, st.views = None, []
         if st.shard is not None:
             st.shard.received = None
+
+
+def check_no_sparse_gradients(model: torch.nn.Module, hooked) -> None:
+    """Refuse, before any forward, a trainable embedding that makes sparse gradients (``sparse=True``)."""
+    trainable = {id(p) for _, p in hooked}
+    for name, module in model.named_modules():
+        if getattr(module, "sparse", False) is True and any(id(p) in trainable for p in module.parameters(recurse=False)):
+            raise ValueError(
+                f"GradSync: {name or type(module).__name__} ({type(module).__name__}(sparse=True)) makes sparse "
+                f"gradients, which hfstream's buckets cannot carry. Use grad_sync='native' (DDP reduces sparse "
+                f"gradients), or build the embedding with sparse=False")
 
 
 class GradSync:
@@ -123,6 +134,11 @@ class GradSync:
         world_size: ranks in the group; 1 (or no process group) means GradSync does nothing.
         notes: what was given up and why (e.g. "overlap lost ..."), each also logged once.
         closed: True after `close()`.
+        follow_forwards: True (default): a training forward with gradients enabled takes part (the buffer
+            broadcast before it, the promise of a synchronised backward after it), as a forward through
+            DDP's wrapper does. The Trainer clears it outside its training step, so a probe forward that
+            user code runs on one rank (a callback) issues no collective, as one that bypasses DDP's
+            wrapper issues none.
         after_backward: None (default: the caller calls `finish()`), or a function GradSync calls at
             the end of every synchronised backward in which every parameter got its gradient, from
             the autograd engine's final callback (DDP's ``finalize_backward``): the Trainer finishes
@@ -150,12 +166,11 @@ class GradSync:
         # DDP's require_forward_param_sync: whether the last training forward was a synchronised one
         # (True before the first); the buffers are broadcast before the forward that follows it.
         self._forward_param_sync = True
-        # broadcast_buffers under sharded: the next training forward's broadcast went out with the step,
-        # ahead of its all-gathers (`_buffers_before_gathers`); that forward does not broadcast again.
-        self._buffers_sent = False
+        self.follow_forwards = True
         self.after_backward = None
 
         self._hooked = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        check_no_sparse_gradients(model, self._hooked)
         registry.claim(self, [p for _, p in self._hooked])   # raises if another GradSync hooks this model
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
@@ -174,8 +189,7 @@ class GradSync:
         self._recorder = StatsRecorder()
         self._wiring = Wiring(model, self._hooked, process_group, self.world_size, self.rank, self.timeout_s,
                               self._recorder, self._comm_streams, self._say)
-        self.reduction: Reduction = (ShardedReduction(self._wiring, before_gathers=self._buffers_before_gathers)
-                                     if mode == "sharded" else AllReduce(self._wiring, serial=mode == "serial"))
+        self.reduction: Reduction = (ShardedReduction(self._wiring) if mode == "sharded" else AllReduce(self._wiring, serial=mode == "serial"))
         self.last_bucket_mb = self.reduction.last_bucket_mb if last_bucket_mb is None else last_bucket_mb
         self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None,
                                 tune_whole_step=self.reduction.tune_whole_step, last_bucket_mb=self.last_bucket_mb)
@@ -183,8 +197,12 @@ class GradSync:
         self._overlap = OverlapCheck(mode)     # says once when reductions could not overlap backward
         self.buckets: list[Bucket] = self._planner.plan()
         self._reset_step()
+        # The buffer broadcast's group (`buffer_group`): the gradients' own, or one of its own under sharded.
+        self._buffer_group = process_group
         if self._active:
             broadcast_from_rank0(model, process_group)
+            if mode == "sharded" and broadcast_buffers and any(True for _ in model.buffers()):
+                self._buffer_group = broadcast.buffer_group(process_group, self._say)
             self._build_states(previous=None)
             for i, (_, p) in enumerate(self._hooked):
                 # The hook knows the parameter's position only: _where maps it to its current
@@ -233,6 +251,10 @@ class GradSync:
         """The buckets GradSync would plan at cap ``bucket_mb`` now (same order and rules; nothing changes)."""
         return self._planner.plan(bucket_mb)
 
+    def agree(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over the ranks (`agreement.any_rank`): a collective, at the same point on every rank."""
+        return any_rank(flags, self.process_group if self._active else None, self._planner.device)
+
     def keep_plan(self) -> None:
         """Never re-plan in the order gradients arrive (the plan stays in registration order)."""
         self._planner.arrival.done = True
@@ -269,7 +291,7 @@ class GradSync:
 
     # -- where gradients leave -------------------------------------------------------------------
     def _on_forward(self, module: torch.nn.Module, _args) -> None:
-        if not (module.training and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled() and self.follow_forwards):
             return
         self.reduction.forward_started()
         if self.require_backward_grad_sync:
@@ -284,28 +306,9 @@ class GradSync:
                     if not p.requires_grad:   # frozen since: no hook will fire, its bucket need not wait
                         st, slot = self._where[i]
                         self._mark_ready(st, slot)
-        if self.broadcast_buffers and self._forward_param_sync and not self._buffers_sent:
-            broadcast_from_rank0(self.model, self.process_group, buffers_only=True)
-        self._buffers_sent = False
+        if self.broadcast_buffers and self._forward_param_sync:
+            broadcast_from_rank0(self.model, self._buffer_group, buffers_only=True)
         self._forward_param_sync = self.require_backward_grad_sync
-
-    def _buffers_before_gathers(self):
-        """mode="sharded": the next training forward's buffer broadcast, launched before the step's all-gathers.
-
-        [Note: buffer broadcast order] Collectives on one process group run in the order they are
-        issued (NCCL: one stream per communicator and device; gloo: one queue), so a broadcast in
-        the next forward's pre-hook would wait for every all-gather of the step before it, and the
-        forward with it: the gathers would hide behind nothing. Issued here, ahead of them, it
-        waits for none; it lands (``land``: a stream wait on NCCL, not a host wait) once the gathers
-        are launched. The values are rank 0's buffers at the step, which the next forward would
-        have broadcast: buffers change in training forwards, and none runs in between (a write to
-        them between the step and the next forward is kept, where DDP would broadcast over it).
-        """
-        if not (self.broadcast_buffers and self._forward_param_sync):
-            return None
-        pending = broadcast.launch_from_rank0(self.model, self.process_group, buffers_only=True)
-        self._buffers_sent = True
-        return functools.partial(broadcast.land, pending)
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
@@ -411,9 +414,7 @@ class GradSync:
             if note:
                 self._say(note)
         self._reset_step()
-        plan, unused = self._planner.step_finished()
-        if unused:
-            self.reduction.first_step_unused(unused)
+        plan, _ = self._planner.step_finished()
         if plan is not None:
             self._replan(plan)
 
@@ -511,7 +512,7 @@ class GradSync:
         # Let go of the group (the bucket tuner holds it too): a gloo group keeps its worker threads
         # until its last reference is gone, and threads still alive when the interpreter's teardown
         # begins can abort the process (see hfstream.clean_exit).
-        self.process_group, self._wiring.group = None, None
+        self.process_group, self._wiring.group, self._buffer_group = None, None, None
         self._planner.close()
 
     def __enter__(self) -> "GradSync":
