@@ -2,16 +2,19 @@
 
 On an accelerator, an op that needs a device value on the host stalls the host until the GPU
 queue has drained up to it: ``.item()``/``bool()``/``float()`` (``aten._local_scalar_dense``), a
-boolean mask (``nonzero`` to size the result), ``torch.equal``, ``.tolist()``, and a tensor
-made from a Python list (``torch.tensor(list, device=...)``: a copy from pageable memory). The
+boolean mask (``nonzero`` to size the result), ``torch.equal``, ``.tolist()``, a tensor made
+from a Python list (``torch.tensor(list, device=...)``: a copy from pageable memory), and a
+host value copied into one element of a device tensor (one synchronising copy per value). The
 sharded clip made about four of them every step, and the Trainer clips every step
 (``max_grad_norm=1.0``). On CPU nothing waits, but the ops are the same, so the steps run on 2
 gloo ranks under a dispatch mode (`HostSyncs`) that records them with the line that ran them.
+The mode is the thread's, and sees backward's ops: on CPU the autograd engine runs backward and
+its hooks on the calling thread (on an accelerator torch hands the mode to its device thread).
 
-What is not counted: the first steps (they plan, re-plan in arrival order, read once), torch's
-optimizer's own reads (Adam reads its step counter, a CPU tensor, with ``.item()``: stock does the
-same), 0-dim tensors made from Python numbers (torch's optimizers make them on the CPU), and,
-through the Trainer, what transformers' own loop reads (its logging), which stock reads too.
+What is not counted: the first steps (they plan, re-plan in arrival order, read once), what
+torch's optimizer runs (as stock runs it), work on tensors the host keeps on purpose (a host
+group's flags, Adam's ``step``: see `HostSyncs`), and, through the Trainer, what transformers'
+own loop reads (its logging), which stock reads too.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 pytestmark = pytest.mark.multiprocess
 
@@ -33,31 +38,24 @@ _TORCH = os.path.dirname(torch.__file__) + os.sep
 _HFSTREAM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hfstream") + os.sep
 _OPTIM = os.path.join(_TORCH, "optim") + os.sep
 # Ops that read a device value on the host, whatever their arguments.
-_ALWAYS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal,
-           aten.unique_consecutive, aten._unique, aten._unique2, aten.unique_dim, aten.repeat_interleave}
+_READS = {aten._local_scalar_dense, aten.nonzero, aten.masked_select, aten.is_nonzero, aten.equal,
+          aten.unique_consecutive, aten._unique, aten._unique2, aten.unique_dim, aten.repeat_interleave}
 _INDEXING = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
-_FRESH = {aten.lift_fresh, aten.lift_fresh_copy}
-
-
-def _host_sync(func, args) -> str | None:
-    """Why ``func(*args)`` would make the host wait for an accelerator (None: it would not)."""
-    packet = func.overloadpacket
-    if packet in _ALWAYS:
-        return str(func)
-    if packet in _INDEXING and any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
-        return f"{func} with a boolean mask (a nonzero)"
-    if packet in _FRESH and args[0].dim() > 0:
-        return f"{func}: a tensor made from a Python list (a copy from pageable memory to the device)"
-    if packet is aten.copy_ and args[1].dim() == 0 and args[0]._base is not None:
-        return f"{func} of a 0-dim tensor into a tensor's element (from the host, one value at a time)"
-    return None
 
 
 class HostSyncs(TorchDispatchMode):
-    """Records, while ``recording``, each op that would be a host sync on an accelerator.
+    """Records, while ``recording``, what would make the host wait for an accelerator.
 
-    Each is charged to the innermost line outside torch that ran it, except where the op is
-    torch's optimizer's own (see the module's docstring). ``ran`` counts every op by the function
+    On CPU every tensor is on the host, so the mode tells the two apart by where a tensor came
+    from: one made from Python data without a ``device``, or with ``device="cpu"`` named
+    (``torch.tensor(flags)`` for a host group's all-reduce, Adam's ``step``), is the host's on
+    purpose, and so is what is computed from host tensors only; every other tensor would be on
+    the device (one made before the mode was entered too: it sees where tensors come from only
+    while it is on). Recorded: a read
+    of a device tensor (`_READS`, a boolean mask, ``.tolist()``), a tensor made from Python data
+    with a ``device`` (a copy from pageable memory), a host value copied into one element of a
+    device tensor. Each is charged to the innermost line outside torch that ran it, except where
+    torch's optimizer ran it (see the module's docstring). ``ran`` counts every op by the function
     that ran it, to show the mode sees the autograd hooks' and the optimizer step's ops.
     """
 
@@ -66,48 +64,85 @@ class HostSyncs(TorchDispatchMode):
         self.recording = False
         self.found: list[str] = []
         self.ran: collections.Counter = collections.Counter()
+        self._host = WeakIdKeyDictionary()   # the host's tensors (a tensor's == is elementwise: by id)
         self._thread = threading.get_ident()
-        self._tolist = torch.Tensor.tolist
+        self._patched = {(torch, "tensor"): torch.tensor, (torch, "as_tensor"): torch.as_tensor,
+                         (torch.Tensor, "tolist"): torch.Tensor.tolist}
 
     def __enter__(self):
-        mode = self
-
-        def tolist(t):   # no op reaches the dispatcher on CPU: watched here
-            if mode.recording and threading.get_ident() == mode._thread:
-                mode._note("Tensor.tolist", sys._getframe(1))
-            return mode._tolist(t)
-
-        torch.Tensor.tolist = tolist
+        for (owner, name), real in self._patched.items():
+            setattr(owner, name, self._made(real) if owner is torch else self._read(real))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        for (owner, name), real in self._patched.items():
+            setattr(owner, name, real)
         return super().__exit__(*exc)
 
+    def _made(self, factory):
+        def made(data, *args, **kwargs):
+            t = factory(data, *args, **kwargs)
+            device = kwargs.get("device", args[1] if factory is torch.as_tensor and len(args) > 1 else None)
+            if device is None or device == "cpu":   # named the host, not asked of a tensor (Adam's step)
+                self._host[t] = True
+            else:
+                self._charge(f"torch.{factory.__name__}(..., device=...): a copy from pageable host memory",
+                             sys._getframe(1))
+            return t
+        return made
+
+    def _read(self, method):   # .tolist() reaches no op on CPU: watched here
+        def read(t):
+            if t not in self._host:
+                self._charge(f"Tensor.{method.__name__}", sys._getframe(1))
+            return method(t)
+        return read
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         if self.recording:
-            why = _host_sync(func, args)
-            ours, in_optimizer = _caller(sys._getframe(1))
-            self.ran["torch.optim" if in_optimizer else getattr(ours, "f_code", None) and ours.f_code.co_name] += 1
+            origin = _origin(sys._getframe(1))
+            self.ran[origin if isinstance(origin, str) else origin.f_code.co_name] += 1
+        if inputs and all(t in self._host for t in inputs):   # computed on the host: stays there
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._host[t] = True
+        else:
+            why = self._why(func, args)
             if why is not None:
-                self._note(why, sys._getframe(1))
-        return func(*args, **(kwargs or {}))
+                self._charge(why, sys._getframe(1))
+        return out
 
-    def _note(self, why: str, frame) -> None:
-        ours, in_optimizer = _caller(frame)
-        if in_optimizer:
+    def _why(self, func, args) -> str | None:
+        """Why ``func(*args)``, some of whose tensors are the device's, would make the host wait for it."""
+        packet = func.overloadpacket
+        if packet in _READS:
+            return str(func)
+        if packet in _INDEXING and any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
+            return f"{func} with a boolean mask (a nonzero)"
+        if packet is aten.copy_ and args[1] in self._host and args[1].dim() == 0 and args[0] not in self._host:
+            return f"{func} of a host value into one element of a device tensor (one copy per value)"
+        return None
+
+    def _charge(self, why: str, frame) -> None:
+        if not self.recording or threading.get_ident() != self._thread:
             return
-        where = "?" if ours is None else f"{ours.f_code.co_filename}:{ours.f_lineno} ({ours.f_code.co_name})"
-        self.found.append(f"{why} at {where}")
+        origin = _origin(frame)
+        if origin is None:
+            self.found.append(f"{why} at ?")
+        elif not isinstance(origin, str):
+            self.found.append(f"{why} at {origin.f_code.co_filename}:{origin.f_lineno} ({origin.f_code.co_name})")
 
 
-def _caller(frame):
-    """The innermost frame outside torch, and whether torch's optimizer code lies between it and the op."""
-    in_optimizer = False
+def _origin(frame):
+    """The innermost frame outside torch that ran an op, or "torch.optim" where torch's optimizer ran it."""
     while frame is not None and frame.f_code.co_filename.startswith(_TORCH):
-        in_optimizer = in_optimizer or frame.f_code.co_filename.startswith(_OPTIM)
+        if frame.f_code.co_filename.startswith(_OPTIM):
+            return "torch.optim"
         frame = frame.f_back
-    return frame, in_optimizer
+    return frame
 
 
 class InBfloat16(nn.Module):
@@ -146,6 +181,11 @@ def _gradsync_steps(rank, mode: str) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     syncs = HostSyncs()
     norms = []
+
+    def seen_in_a_gradient_hook(param):   # as GradSync's hooks run: inside backward
+        param.detach().abs().sum()   # (under sharded GradSync has taken .grad already)
+
+    model.a.weight.register_post_accumulate_grad_hook(seen_in_a_gradient_hook)
     try:
         with syncs:
             for step in range(STEPS):
@@ -157,11 +197,12 @@ def _gradsync_steps(rank, mode: str) -> dict:
                 optimizer.step()
                 optimizer.zero_grad()
             syncs.recording = False
+        in_backward = sync.stats.launched_in_backward   # buckets the hooks packed and launched
         cut = mode == "sharded" and any(not (pc.param_start == 0 and pc.param_end == st.params[pc.slot].numel())
                                         for st in sync.reduction.states for pc in st.shard.pieces)
     finally:
         sync.close()
-    return {"found": syncs.found, "ran": syncs.ran, "buckets": len(sync.buckets), "cut": cut,
+    return {"found": syncs.found, "ran": syncs.ran, "buckets": len(sync.buckets), "cut": cut, "in_backward": in_backward,
             "norms": [float(n) for n in norms]}
 
 
@@ -189,30 +230,29 @@ def _trainer_steps(rank, tmp, mode: str) -> dict:
         trainer.train()
     # transformers' own loop reads what stock reads (the logged loss and grad_norm): only hfstream's count.
     ours = [f for f in syncs.found if _HFSTREAM in f]
-    return {"found": ours, "ran": syncs.ran, "all": len(syncs.found)}
+    return {"found": ours, "ran": syncs.ran}
 
 
 def _save_copies(rank, layers: int) -> dict:
-    """The sharded optimizer's whole state gathered (a checkpoint's save): its copies of host values."""
+    """The sharded optimizer's whole state gathered (a checkpoint's save): what of it waits for the device."""
     from hfstream.gradsync import GradSync
 
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
-    sync = GradSync(model, mode="sharded", bucket_mb=1.0)   # one bucket, however many layers
-    optimizer = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))   # a CPU ``step`` per piece
-    try:
-        model(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
-        sync.finish()
-        optimizer.step()
-        syncs = HostSyncs()
-        with syncs:
+    syncs = HostSyncs()
+    with syncs:   # from the start: the mode must see Adam's ``step`` made on the host
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+        sync = GradSync(model, mode="sharded", bucket_mb=1.0)   # one bucket, however many layers
+        optimizer = sync.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2))   # a CPU step per piece
+        try:
+            model(torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))).sum().backward()
+            sync.finish()
+            optimizer.step()
             syncs.recording = True
             whole = sync.optimizer_state_dict()
-    finally:
-        sync.close()
-    # Copies from the host only: a read of a CPU tensor (Adam's step) is no sync on any device.
-    copies = [f for f in syncs.found if "shard_state.py" in f and ("lift_fresh" in f or "copy_" in f)]
-    return {"found": copies, "buckets": len(sync.buckets),
+            syncs.recording = False
+        finally:
+            sync.close()
+    return {"found": [f for f in syncs.found if "shard_state.py" in f], "buckets": len(sync.buckets),
             "steps": sorted({float(s["step"]) for s in whole["state"].values()}), "entries": len(whole["state"])}
 
 
@@ -244,9 +284,11 @@ def test_a_steady_gradsync_step_with_the_clip_makes_no_host_sync(steps, mode):
         assert out["buckets"] >= 2, out["buckets"]
         assert out["found"] == [], f"rank {rank}, {mode}: " + "\n".join(out["found"])
         assert all(n > 1e-3 for n in out["norms"]), out["norms"]   # the clip scaled every step
-    # The mode sees what runs inside backward (the hooks pack gradients) and inside the optimizer step.
-    ran = _gradsync_ranks(steps, mode)[0]["ran"]
-    assert ran["pack"] > 0, sorted(ran)
+    # The mode sees what runs inside backward (the gradient hooks pack and launch buckets) and inside
+    # the optimizer step.
+    out = _gradsync_ranks(steps, mode)[0]
+    ran = out["ran"]
+    assert ran["seen_in_a_gradient_hook"] > 0 and out["in_backward"] > 0 and ran["pack"] > 0, sorted(ran)
     assert ran["torch.optim"] > 0, sorted(ran)
 
 
@@ -263,7 +305,7 @@ def test_a_steady_trainer_step_makes_no_host_sync_in_hfstream(steps, mode):
         assert got["ran"]["pack"] > 0   # the steps were watched, hooks included
 
 
-def test_saving_the_sharded_optimizer_copies_its_host_values_per_bucket_not_per_parameter(steps):
+def test_saving_the_sharded_optimizer_waits_for_the_device_per_bucket_not_per_parameter(steps):
     # Adam's ``step`` is a 0-dim CPU tensor per piece. Gathering the whole state sends it through the
     # device: one copy of the bucket's values, not one synchronising copy per parameter (issue 42).
     for out in steps:
