@@ -202,8 +202,8 @@ def _gradsync_steps(rank, mode: str) -> dict:
                                         for st in sync.reduction.states for pc in st.shard.pieces)
     finally:
         sync.close()
-    return {"found": syncs.found, "ran": syncs.ran, "buckets": len(sync.buckets), "cut": cut, "in_backward": in_backward,
-            "norms": [float(n) for n in norms]}
+    return {"found": syncs.found, "ran": syncs.ran, "buckets": len(sync.buckets), "cut": cut,
+            "in_backward": in_backward, "norms": [float(n) for n in norms]}
 
 
 def _trainer_steps(rank, tmp, mode: str) -> dict:

@@ -259,7 +259,9 @@ class _ClipPlan:
     def total_norm(self, table: torch.Tensor, norm_type: float) -> torch.Tensor:
         """The norm of every rank's gradients from the reduced table: stock's arithmetic, on the device."""
         codes = table[2] / table[3].clamp(min=1)   # summed over the ranks holding a piece: code * count
-        norms = table[0] if math.isinf(norm_type) else torch.where(table[1] > 0, table[0], table[0].pow(1.0 / norm_type))
+        norms = table[0]   # inf: each parameter's max; else a whole one's norm, a cut one's sum of |g|^p
+        if not math.isinf(norm_type):
+            norms = torch.where(table[1] > 0, norms, norms.pow(1.0 / norm_type))
         if self.groups is None:
             self.learn(codes)
         # Each norm rounded as stock's: a cut one, exact in float64, first to where torch accumulates.

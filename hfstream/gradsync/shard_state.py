@@ -126,21 +126,24 @@ def _element_slice(optimizer, sh, key, dtype) -> torch.Tensor:
 
 def _param_values(optimizer, sh, keys, group) -> tuple[list[bool], dict]:
     """Per parameter of one bucket: whether any rank has state, and each per-parameter key's value (a collective)."""
-    rows = [[-float("inf")] * len(sh.params) for _ in range(1 + len(keys))]
-    on_device = []   # (row, slot, value) of state that lives on the device (fused AdamW's ``step``)
+    has, on_host, on_device = [], [], []   # slots with state; (row, slot, value) by where the value lives
     for pc, t in zip(sh.pieces, sh.tensors):
         state = optimizer.state.get(t)
         if state:
-            rows[0][pc.slot] = 1.0
+            has.append(pc.slot)
             for row, k in enumerate(keys, start=1):
                 if k in state:
-                    if state[k].device.type == "cpu":   # Adam's ``step``: read here, where it is
-                        rows[row][pc.slot] = float(state[k])
-                    else:
-                        on_device.append((row, pc.slot, state[k]))
-    # One copy to the device for the whole table, not one synchronising copy per value; state on the
-    # device is copied there (float() would make the host wait for it), the table read once, after the reduction.
-    table = torch.tensor(rows, dtype=torch.float64, device=sh.master.device)
+                    (on_host if state[k].device.type == "cpu" else on_device).append((row, pc.slot, state[k]))
+    # The table is filled on the host and goes to the device in one copy: copying each value there
+    # (Adam's ``step`` is a CPU tensor) would be one synchronising copy per piece, and reading each
+    # one host read per piece. Values already on the device (fused AdamW's) are copied there.
+    table = torch.full((1 + len(keys), len(sh.params)), -float("inf"), dtype=torch.float64)
+    if has:
+        table[0, has] = 1.0
+    if on_host:
+        rows, slots, values = zip(*on_host)
+        table[list(rows), list(slots)] = torch.stack(values).to(torch.float64)
+    table = table.to(sh.master.device)
     for row, slot, value in on_device:
         table[row, slot] = value
     dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group)
