@@ -473,7 +473,7 @@ class StreamTrainerMixin:
                            f"{self._backwards} backward(s): under grad_sync='sharded' each rank keeps only its slice of the mean "
                            f"gradient, so hfstream gathers the whole mean gradient into .grad after every backward "
                            f"of the step, as the stock Trainer holds it (an all-gather of the gradients per backward, "
-                           f"their memory again). For norms only, read trainer.grad_sync.grad_norms() instead")
+                           f"into the buckets' own buffers). For norms only, read trainer.grad_sync.grad_norms() instead")
         return loss
 
     def _clip_grad_norm(self, model):

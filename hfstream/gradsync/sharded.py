@@ -334,13 +334,24 @@ class ShardedReduction(Reduction):
 
     @torch.no_grad()
     def gather_gradients(self) -> None:
-        """Every parameter's ``.grad`` = the whole mean gradient, from all ranks' slices (a collective)."""
+        """Every parameter's ``.grad`` = the whole mean gradient, from all ranks' slices (a collective).
+
+        After ``finish()`` a bucket's wire buffer is free until the next backward packs into it, so
+        the whole gradient lands there and ``.grad`` are views of it, as DDP's
+        ``gradient_as_bucket_view``: no memory beyond what backward already holds. Only a compressed
+        wire's buffer (another dtype) needs one of its own. A parameter no rank used keeps None.
+        """
         for st in self.states:
             sh = st.shard
-            whole = torch.empty(sh.size * self.wiring.world_size, dtype=sh.grad.dtype, device=sh.grad.device)
+            in_place = st.buffer is not None and st.buffer.dtype == sh.grad.dtype
+            whole = (st.buffer if in_place else
+                     torch.empty(sh.size * self.wiring.world_size, dtype=sh.grad.dtype, device=sh.grad.device))
             collectives.launch_all_gather(whole, sh.grad, self.wiring.group).wait()
-            for p, o, n in zip(st.params, sh.offsets, sh.numels):
-                p.grad = whole[o:o + n].view(p.shape).clone() if p.requires_grad else None
+            for slot, (p, o, n) in enumerate(zip(st.params, sh.offsets, sh.numels)):
+                if not p.requires_grad or id(p) in self._unused:
+                    p.grad = None
+                else:
+                    p.grad = st.views[slot] if in_place else whole[o:o + n].view(p.shape).clone()
 
     @torch.no_grad()
     def scatter_gradients(self) -> None:
