@@ -99,3 +99,35 @@ def test_a_weight_rebuilt_by_a_forward_pre_hook_reads_its_parameters_gathered(ru
         assert pending[1:] == [False, False], (
             f"rank {rank}: prune's pre-hook ran while the all-gather of weight_orig's bucket was in flight "
             f"({pending}): GradSync's wait must come first among the module's pre-hooks")
+
+
+def _whole_gradients(rank, world_size, wire):
+    """gather_gradients() after finish(): the whole mean gradient in .grad, views of the buckets' wire buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1), nn.Linear(1, 1))   # the last: unused
+    sync = GradSync(model, mode="sharded", bucket_mb=0, comm_dtype=wire)
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    g = torch.Generator().manual_seed(rank)
+    model[:3](torch.randn(4, 8, generator=g)).square().mean().backward()
+    sync.finish()
+    sync.reduction.gather_gradients()
+    buffers = [st.buffer for st in sync.bucket_states]
+    in_buffers = {n: any(p.grad.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() for b in buffers)
+                  for n, p in model.named_parameters() if p.grad is not None}
+    none = sorted(n for n, p in model.named_parameters() if p.grad is None)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    opt.step()
+    sync.close()
+    return in_buffers, none, grads
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("wire", [None, "bf16"])
+def test_gathered_whole_gradients_live_in_the_bucket_buffers_and_idle_ones_stay_none(run_distributed, wire):
+    (views0, none0, grads0), (views1, none1, grads1) = run_distributed(_whole_gradients, 2, wire, timeout=120)
+    assert none0 == none1 == ["3.bias", "3.weight"]   # no rank used it: None, as DDP leaves it
+    for k in grads0:
+        assert torch.equal(grads0[k], grads1[k]), k   # every rank holds the same whole mean
+    # On the parameters' own dtype no new memory: .grad are views of the wire buffers; a bf16 wire's
+    # buffer has another dtype, so there it is a tensor of its own.
+    assert all(views0.values()) if wire is None else not any(views0.values()), views0
