@@ -45,9 +45,10 @@ It predicts the quantities `hfstream.timeline` and `hfstream.tools.bench.run` me
 
 P is the number of trainable parameters (tied ones once; in C, without embedding tables that
 are only indexed, which cost no FLOPs), T the tokens per device per step,
-N the world size, B the link bandwidth per device, alpha the latency of one ring step. The
-model is one flat ring at one bandwidth: no intra-node fast path, no contention on the link
-(the host contention above aside), no hierarchical all-reduce.
+N the world size, B the link bandwidth per device, alpha the latency of one ring step. With
+``devices_per_node`` set, the collectives run by level (`links`: a ring inside each node at
+``intra_node_gbs``, one across nodes on 1/g of the bytes at ``link_gbs``); without it, one flat
+ring at one bandwidth. No contention on the link (the host contention above aside).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from hfstream.gradsync.sharded import ShardedReduction
 from hfstream.schedule import overlap_exposed, sharded_step
 from hfstream.timeline import cross_step_limit
 
+from .links import Links
 from .shapes import ModelShape
 
 DEFAULT_WORLD_SIZES = tuple(2**i for i in range(11))   # 1, 2, 4, ..., 1024
@@ -197,7 +199,12 @@ class PlanConfig:
     grad_bytes: int = 4
     """Bytes per gradient element on the wire (4 = fp32, the default of DDP and the Trainer; 2 = bf16)."""
     link_gbs: float = 25.0
-    """Link bandwidth per device in GB/s (10**9 bytes/s); 25 = one 200 Gb/s InfiniBand port per GPU."""
+    """Link bandwidth per device in GB/s (10**9 bytes/s); 25 = one 200 Gb/s InfiniBand port per GPU.
+    With ``devices_per_node``, the bandwidth across nodes (`links.Links.inter_gbs`)."""
+    devices_per_node: int | None = None
+    """Devices on one node's fast links (8 in an HGX node); None = one flat ring at ``link_gbs``."""
+    intra_node_gbs: float | None = None
+    """Bus bandwidth of a ring inside a node in GB/s (H100 NVLink 4: 450); None = ``link_gbs``."""
     latency_us: float = 5.0
     """Latency of one ring step in microseconds (a ring all-reduce takes 2(N-1) steps)."""
     mem_bandwidth_gbs: float = 2000.0
@@ -231,6 +238,9 @@ class PlanConfig:
               and math.isfinite(self.comm_host_ms_per_mib) and self.comm_host_ms_per_mib >= 0, "a time >= 0 in ms")
         check("grad_bytes", pos(self.grad_bytes), "a number of bytes > 0 (4 = fp32, 2 = bf16)")
         check("link_gbs", pos(self.link_gbs), "a bandwidth > 0 in GB/s")
+        check("devices_per_node", self.devices_per_node is None or (isinstance(self.devices_per_node, int)
+              and self.devices_per_node >= 1), "None or an integer >= 1")
+        check("intra_node_gbs", self.intra_node_gbs is None or pos(self.intra_node_gbs), "None or a bandwidth > 0 in GB/s")
         check("latency_us", isinstance(self.latency_us, (int, float)) and math.isfinite(self.latency_us)
               and self.latency_us >= 0, "a latency >= 0 in microseconds")
         check("mem_bandwidth_gbs", pos(self.mem_bandwidth_gbs), "a bandwidth > 0 in GB/s")
@@ -241,6 +251,11 @@ class PlanConfig:
         self.world_sizes = tuple(int(n) for n in self.world_sizes)
         check("world_sizes", bool(self.world_sizes) and all(n >= 1 for n in self.world_sizes),
               "a non-empty list of integers >= 1")
+
+    @property
+    def links(self) -> Links:
+        """The links the collectives run on (`links.Links`)."""
+        return Links(self.link_gbs, self.latency_us, self.devices_per_node, self.intra_node_gbs)
 
     @property
     def compute_flops(self) -> float:
@@ -305,7 +320,8 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
     fwd = flops * cfg.forward_share / cfg.compute_flops * 1e3
     bwd = flops * (1 - cfg.forward_share) / cfg.compute_flops * 1e3
     opt = shape.params * cfg.optimizer_bytes_per_param / (cfg.mem_bandwidth_gbs * 1e9) * 1e3
-    times = [allreduce_s(b, world_size, cfg.link_gbs, cfg.latency_us) * 1e3 for b, _ in buckets]
+    links = cfg.links
+    times = [links.all_reduce_s(b, world_size) * 1e3 for b, _ in buckets]
     busy = sum(times)
     sharded_buckets = buckets if cfg.sharded_last_bucket_mb is None else predict_buckets(
         shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb, cfg.sharded_last_bucket_mb)
@@ -357,7 +373,8 @@ def predict_sharded(buckets: list[tuple[float, float]], world_size: int, cfg: Pl
     Steady state, time 0 = the forward's start, the previous step's all-gathers launched then
     (the data wait and the optimizer's own tail hidden). ``buckets`` are in plan (backward) order.
     """
-    t = [half_s(b, world_size, cfg.link_gbs, cfg.latency_us) * 1e3 for b, _ in buckets]
+    links = cfg.links
+    t = [links.reduce_scatter_s(b, world_size) * 1e3 for b, _ in buckets]
     return sharded_step(t, [r for _, r in buckets], world_size, fwd, bwd, opt)
 
 
@@ -366,15 +383,19 @@ def overlap_limit(shape: ModelShape, cfg: PlanConfig, buckets: list[tuple[float,
     """The smallest world size whose comm busy exceeds backward (overlap can no longer be
     complete), or None if that never happens up to ``max_world_size``.
 
-    comm busy = 2(N-1)/N x bytes / B + 2(N-1) alpha x buckets grows with N, so bisect.
+    comm busy = 2(N-1)/N x bytes / B + 2(N-1) alpha x buckets grows with N (by level too:
+    `links`), so bisect.
     """
     if buckets is None:
         buckets = predict_buckets(shape, cfg.grad_bytes, cfg.bucket_mb, cfg.first_bucket_mb)
     bwd = step_flops(shape, cfg) * (1 - cfg.forward_share) / cfg.compute_flops
     total = sum(b for b, _ in buckets)
 
+    bandwidth = dataclasses.replace(cfg.links, latency_us=0.0)
+
     def busy(n):
-        return allreduce_s(total, n, cfg.link_gbs, 0.0) + 2 * (n - 1) * cfg.latency_us * 1e-6 * len(buckets)
+        g, nodes = cfg.links.levels(n)
+        return bandwidth.all_reduce_s(total, n) + 2 * (g - 1 + nodes - 1) * cfg.latency_us * 1e-6 * len(buckets)
 
     if busy(max_world_size) <= bwd:
         return None
@@ -415,7 +436,9 @@ def plan(shape: ModelShape, cfg: PlanConfig) -> dict:
                        "(Kaplan et al. 2020 sec. 2.1; Chowdhery et al. 2022 app. B)",
             "optimizer": "P x optimizer_bytes_per_param / memory bandwidth",
             "comm_per_bucket": "2(N-1)/N x bytes / link bandwidth + 2(N-1) x latency (ring all-reduce; "
-                               "Thakur, Rabenseifner & Gropp 2005)",
+                               "Thakur, Rabenseifner & Gropp 2005); with devices_per_node g: reduce-scatter "
+                               "and all-gather inside the node at intra_node_gbs, all-reduce of bytes/g across "
+                               "the N/g nodes at link_gbs (hierarchical all-reduce)",
             "exposed_overlap": "max(0, end of last reduction - end of backward), buckets ready as backward "
                                "does its FLOPs in reverse registration order, one reduction at a time",
             "ideal": "forward + max(backward, comm busy) + optimizer (docs/design.md section 4)",

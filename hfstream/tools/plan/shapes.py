@@ -38,6 +38,27 @@ def _count_str(n: float) -> str:
 
 
 
+@dataclass(frozen=True)
+class LayerDims:
+    """A decoder layer's widths, for the activation memory (`memory.activation_bytes`)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    """The MLP's inner width."""
+    vocab: int
+    gated_mlp: bool
+    """SwiGLU (Llama: gate, up, down) rather than one activation between two matmuls (GPT-2)."""
+    rms_norm: bool
+    """Llama's RMSNorm (computed in fp32) rather than LayerNorm."""
+    dropout: bool
+    """Dropout after attention and in the residual branches (GPT-2's default 0.1)."""
+    softmax_fp32: bool
+    """Attention's softmax computed in fp32 and cast back (transformers' eager Llama), not in the activations' dtype."""
+
+
 @dataclass
 class ModelShape:
     """What the planner needs to know about a model.
@@ -51,6 +72,7 @@ class ModelShape:
             ``"tied"`` (the input embedding that is also the output projection: its FLOPs are
             spent first in backward, its gradient is complete only at the end).
         n_layer, d_attn: for the attention FLOPs (``--seq-len``); None when unknown.
+        layer: a decoder layer's widths, for the activations (GPT-2 and Llama-style); None when unknown.
     """
 
     name: str
@@ -58,6 +80,7 @@ class ModelShape:
     tensors: tuple[tuple[str, int, str], ...] = ()
     n_layer: int | None = None
     d_attn: int | None = None
+    layer: LayerDims | None = None
 
     @property
     def flop_params(self) -> int:
@@ -111,7 +134,12 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         t += [("transformer.ln_f.weight", d, "dense"), ("transformer.ln_f.bias", d, "dense")]
         if not tie:
             t.append(("lm_head.weight", V * d, "dense"))
-        return ModelShape(name, sum(n for _, n, _ in t), tuple(t), n_layer=L, d_attn=d)
+        drop = any(config.get(k, 0.1) for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop"))
+        heads = config.get("n_head") or config.get("num_attention_heads")
+        dims = None if not heads else LayerDims(hidden=d, heads=heads, kv_heads=heads, head_dim=d // heads, ffn=inner,
+                                                vocab=V, gated_mlp=False, rms_norm=False, dropout=bool(drop),
+                                                softmax_fp32=False)
+        return ModelShape(name, sum(n for _, n, _ in t), tuple(t), n_layer=L, d_attn=d, layer=dims)
     if mt in ("llama", "mistral", "qwen2"):
         V, d, ffn, L = get("vocab_size"), get("hidden_size"), get("intermediate_size"), get("num_hidden_layers")
         H = get("num_attention_heads")
@@ -138,7 +166,9 @@ def shape_from_config(config: dict, name: str = "config") -> ModelShape:
         t.append(("model.norm.weight", d, "dense"))
         if not tie:
             t.append(("lm_head.weight", V * d, "dense"))
-        return ModelShape(name, sum(n for _, n, _ in t), tuple(t), n_layer=L, d_attn=H * hd)
+        dims = LayerDims(hidden=d, heads=H, kv_heads=kv, head_dim=hd, ffn=ffn, vocab=V, gated_mlp=True, rms_norm=True,
+                         dropout=bool(config.get("attention_dropout", 0.0)), softmax_fp32=True)
+        return ModelShape(name, sum(n for _, n, _ in t), tuple(t), n_layer=L, d_attn=H * hd, layer=dims)
     return _shape_from_meta_model(config, name)
 
 

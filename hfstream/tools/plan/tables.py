@@ -12,6 +12,15 @@ from .shapes import _count_str
 WIDTH = 100   # the default table and its notes fit a terminal this wide (--wide: every column)
 
 
+def _links(inp: dict) -> str:
+    g = inp.get("devices_per_node")
+    if not g or g == 1:
+        return f"link {inp['link_gbs']:g} GB/s per device, {inp['latency_us']:g} us per ring step"
+    intra = inp.get("intra_node_gbs") or inp["link_gbs"]
+    return (f"{g} devices per node at {intra:g} GB/s, {inp['link_gbs']:g} GB/s per device across nodes, "
+            f"{inp['latency_us']:g} us per ring step")
+
+
 def _ms(v: float) -> str:
     return f"{v:.3g}" if v < 10 else f"{v:.1f}" if v < 1e4 else f"{v:.3g}"
 
@@ -81,7 +90,7 @@ def format_plan_table(doc: dict, wide: bool = False) -> str:
         f"{inp['grad_bytes']}-byte gradients in {b['count']} bucket(s) (cap {inp['bucket_mb']} MiB"
         + (f", first {inp['first_bucket_mb']:g}" if inp["first_bucket_mb"] else "") + ")",
         f"{inp['tokens_per_device']:,} tokens per device per step; {doc['step_flops']:.3g} FLOP per device per step "
-        f"at {compute} | link {inp['link_gbs']:g} GB/s per device, {inp['latency_us']:g} us per ring step | "
+        f"at {compute} | {_links(inp)} | "
         f"optimizer {inp['optimizer_bytes_per_param']:g} B/param at {inp['mem_bandwidth_gbs']:.4g} GB/s",
     ]
     if wide:
