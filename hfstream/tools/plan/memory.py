@@ -12,9 +12,10 @@ optimizer (`OPTIMIZERS`; mixed-precision AdamW: 2 + 2 + 12 = 16, Rajbhandari et 
     sharded      P p          P g, whole during       P k / N           the reduced slice P g / N
     (hfstream,                backward in the bucket
      ZeRO-1)                  buffers
-    fsdp         P p / N      P g / N                 P k / N           gathered: 2 units' parameters
-    (ZeRO-3,                                                            (the one running, the prefetched)
-     comparison)                                                        and one unit's gradients
+    fsdp         P p / N      P g / N                 P k / N           gathered: 2 layers' parameters
+    (ZeRO-3,                                                            (the one running, the prefetched;
+     comparison)                                                        or the root's: embeddings, head),
+                                                                        and one unit's gradients
 
 plus the activations of one micro-batch (`activation_bytes`), the same in every mode. The peak
 is taken as the sum (the ZeRO paper's count): gradients appear while activations are freed, so
@@ -26,9 +27,11 @@ temporaries take the rest (an assumption; ``torch.cuda.max_memory_reserved`` say
 from __future__ import annotations
 
 import re
+import textwrap
 from dataclasses import dataclass
 
 from .shapes import LayerDims, ModelShape
+from .tables import WIDTH
 
 USABLE_FRACTION = 0.9
 MODES = ("replicated", "sharded", "fsdp")
@@ -126,8 +129,8 @@ def activation_bytes(layer: LayerDims, n_layer: int, seq_len: int, micro_batch: 
 # Per mode
 # =============================================================================================
 
-def _units(shape: ModelShape) -> list[int]:
-    """Parameters per FSDP unit: each decoder layer (``.<i>.`` in the name) and the rest (the root)."""
+def _units(shape: ModelShape) -> tuple[list[int], int]:
+    """Parameters per FSDP unit: each decoder layer (``.<i>.`` in the name), and the rest (the root)."""
     layers: dict[str, int] = {}
     root = 0
     for name, n, _ in shape.tensors:
@@ -136,7 +139,9 @@ def _units(shape: ModelShape) -> list[int]:
             layers[m.group(1)] = layers.get(m.group(1), 0) + n
         else:
             root += n
-    return list(layers.values()) + ([root] if root else []) or [shape.params]
+    if not shape.tensors:
+        return [], shape.params
+    return list(layers.values()), root
 
 
 def memory_by_mode(shape: ModelShape, world_size: int, optimizer: OptimizerBytes, activations: float,
@@ -149,14 +154,15 @@ def memory_by_mode(shape: ModelShape, world_size: int, optimizer: OptimizerBytes
     """
     P, N, o = shape.params, world_size, optimizer
     wire = o.grads if wire_bytes is None else wire_bytes
-    unit = max(_units(shape))
+    layers, root = _units(shape)
+    gathered = max(2 * max(layers, default=0), root) * o.params + max(layers + [root]) * o.grads
     modes = {
         "replicated": {"params": P * o.params, "grads": P * o.grads, "optimizer": P * o.state,
                        "buffers": 0 if wire == o.grads or N == 1 else P * wire},
         "sharded": {"params": P * o.params, "grads": P * (o.grads if N == 1 else wire), "optimizer": P * o.state / N,
                     "buffers": 0 if N == 1 else P * o.grads / N},
         "fsdp": {"params": P * o.params / N, "grads": P * o.grads / N, "optimizer": P * o.state / N,
-                 "buffers": 0 if N == 1 else unit * (2 * o.params + o.grads)},
+                 "buffers": 0 if N == 1 else gathered},
     }
     for m in modes.values():
         m["activations"] = activations
@@ -218,6 +224,10 @@ def memory_report(shape: ModelShape, world_size: int, optimizer: str, seq_len: i
         return doc
     for m in modes.values():
         m["fits"] = m["total"] <= usable
+    if not checkpointing:   # what each mode needs with checkpointing: the table's second half
+        doc["modes_checkpointed"] = memory_by_mode(shape, world_size, opt, acts(True, micro_batch)["total"], wire_bytes)
+        for m in doc["modes_checkpointed"].values():
+            m["fits"] = m["total"] <= usable
     asked = Setting("replicated", checkpointing, micro_batch)
     smaller = [mb for mb in (micro_batch // 2**i for i in range(1, 20)) if mb >= 1]
     candidates: list[tuple[str, Setting]] = [("grad_sync='sharded'", Setting("sharded", checkpointing, micro_batch))]
@@ -253,25 +263,31 @@ def format_memory(doc: dict, device: str) -> list[str]:
     """The memory lines of ``hfstream plan`` (GiB per device)."""
     o = doc["optimizer_bytes"]
     a = doc["activations"]
-    lines = [f"memory per device at N = {doc['world_size']:,} (GiB) | {doc['optimizer']}: {o['what']} | activations: "
+    head = [f"memory per device at N = {doc['world_size']:,} (GiB) | {doc['optimizer']}: {o['what']} | activations: "
              f"micro-batch {doc['micro_batch']} x {doc['seq_len']:,} tokens, {o['activation_bytes']}-byte, "
              f"{doc['attention']} attention, " + ("gradient checkpointing" if doc["checkpointing"] else "no checkpointing")
-             + f" (Korthikanti et al. 2022 count; {_gb(a['per_layer'])} a layer)",
-             f"{'mode':<12}{'params':>8}{'grads':>8}{'optim':>8}{'buffers':>9}{'activ':>8}{'total':>8}"
+             + f" (Korthikanti et al. 2022 count; {_gb(a['per_layer'])} GiB a layer)"]
+    tail = []
+    lines = [f"{'mode':<17}{'params':>8}{'grads':>8}{'optim':>8}{'buffers':>9}{'activ':>8}{'total':>8}"
              + (f"  fits {device} ({_gb(doc['usable_bytes'])} of {_gb(doc['device_bytes'])} usable)"
                 if doc["device_bytes"] else "")]
-    for name, m in doc["modes"].items():
+    rows = [(name, m) for name, m in doc["modes"].items()]
+    rows += [(name + " +ckpt", m) for name, m in doc.get("modes_checkpointed", {}).items()]
+    for name, m in rows:
         verdict = "" if "fits" not in m else ("  yes" if m["fits"] else "  NO")
-        lines.append(f"{name:<12}{_gb(m['params']):>8}{_gb(m['grads']):>8}{_gb(m['optimizer']):>8}"
+        lines.append(f"{name:<17}{_gb(m['params']):>8}{_gb(m['grads']):>8}{_gb(m['optimizer']):>8}"
                      f"{_gb(m['buffers']):>9}{_gb(m['activations']):>8}{_gb(m['total']):>8}{verdict}")
     if doc["device_bytes"]:
         if doc["fits"]:
-            lines.append(f"replicated (overlap) fits {device} as asked")
+            tail.append(f"replicated (overlap) fits {device} as asked")
         elif doc["smallest_change"] is None:
-            lines.append(f"replicated (overlap) does not fit {device}, and no change tried here makes it fit "
+            tail.append(f"replicated (overlap) does not fit {device}, and no change tried here makes it fit "
                          f"(tensor or pipeline parallelism, CPU offload)")
         else:
             fix = doc["smallest_change"]
-            lines.append(f"replicated {doc['optimizer']} does not fit {device}; smallest change that fits: {fix['change']} "
+            tail.append(f"replicated {doc['optimizer']} does not fit {device}; smallest change that fits: {fix['change']} "
                          f"({_gb(fix['total'])} GiB per device)")
-    return lines
+    def wrap(block: list[str]) -> list[str]:
+        return [w for line in block for w in textwrap.wrap(line, WIDTH, subsequent_indent="  ")]
+
+    return wrap(head) + lines + wrap(tail)
