@@ -119,6 +119,16 @@ class StreamTrainingArguments(TrainingArguments):
                           "code 124 instead of hanging."},
     )
 
+    # --- checkpoints -----------------------------------------------------------------------
+    save_async: bool = field(
+        default=False,
+        metadata={"help": "Write checkpoints behind training: at a save step each rank copies what the stock "
+                          "Trainer saves into host memory, a background thread writes the same files into "
+                          "<output_dir>/.hfstream-saving/checkpoint-N, renamed to checkpoint-N once every rank's "
+                          "files are complete. At most one save in flight; a write error fails the run at the "
+                          "next step. Not with DeepSpeed, FSDP or push_to_hub."},
+    )
+
     # --- measurement -----------------------------------------------------------------------
     stream_report: bool = field(
         default=True,
@@ -160,7 +170,28 @@ class StreamTrainingArguments(TrainingArguments):
                 f"grad_sync={self.grad_sync!r} cannot be combined with FSDP, DeepSpeed or tensor parallelism: "
                 "those engines own gradient communication. Use grad_sync='native' (or 'auto')."
             )
+        self._refuse_unsaveable_async()   # before the parent's checks import DeepSpeed
         super().__post_init__()
+
+    def _refuse_unsaveable_async(self) -> None:
+        """save_async=True where hfstream cannot take the snapshot: say so now, not at the first save."""
+        if not self.save_async:
+            return
+        launched = {k: os.environ.get(f"ACCELERATE_USE_{k.upper()}", "false").lower() in ("1", "true")
+                    for k in ("DeepSpeed", "FSDP")}   # accelerate launch with a DeepSpeed/FSDP config
+        engine = ("DeepSpeed" if self.deepspeed or launched["DeepSpeed"] else
+                  "FSDP" if self.fsdp or launched["FSDP"] else None)
+        if engine is not None:
+            raise ValueError(
+                f"save_async=True cannot be combined with {engine}: its checkpoint is written by the engine's own "
+                f"collective save, which hfstream cannot snapshot. Use save_async=False, or "
+                f"torch.distributed.checkpoint.async_save in a callback for sharded engines."
+            )
+        if self.push_to_hub:
+            raise ValueError(
+                "save_async=True cannot be combined with push_to_hub=True: the upload would start before the "
+                "checkpoint's files are written. Use save_async=False, or push the finished checkpoint-N yourself."
+            )
 
     def _validate_stream_fields(self) -> None:
         if isinstance(self.prefetch_depth, bool) or not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 0:
@@ -195,6 +226,8 @@ class StreamTrainingArguments(TrainingArguments):
                 raise ValueError(f"step_watchdog_s={w!r} is not valid; accepted values: None (half of ddp_timeout), "
                                  "0 (off) or seconds > 0")
             self.step_watchdog_s = float(w)
+        if not isinstance(self.save_async, bool):
+            raise ValueError(f"save_async={self.save_async!r} is not valid; accepted values: True, False")
         if not isinstance(self.stream_report, bool):
             raise ValueError(f"stream_report={self.stream_report!r} is not valid; accepted values: True, False")
 

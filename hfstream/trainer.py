@@ -26,6 +26,7 @@ Around them:
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import logging
 import math
@@ -33,6 +34,7 @@ import os
 import time
 from typing import Any
 
+import torch
 from accelerate.utils import gather_object
 from transformers import Trainer
 
@@ -113,6 +115,11 @@ class StreamTrainerMixin:
 
         CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._zero1_optimizer else None,
                       self._note).install()
+        # save_async (the checkpoint section below): the save in flight, the staging run dir while the
+        # stock save runs into it, and the seconds the saves cost the training thread.
+        self._save_in_flight = None
+        self._staging_run_dir: str | None = None
+        self.save_times = {"saves": 0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0, "write_s": 0.0}
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
@@ -495,12 +502,111 @@ class StreamTrainerMixin:
         self._watch(f"saving the optimizer of step {self.state.global_step} (gathering every rank's slices)")
         save_optimizer(self, output_dir)
 
+    # -- the checkpoint, saved behind training (save_async; hfstream.checkpoint_async) ---------------------
+    #   _save_checkpoint      at a save step: the previous save finishes first (at most one in flight),
+    #                         then the stock save runs into a staging folder with its big writes deferred
+    #                         to host copies (`DeferredWrites`), and a thread writes them (`AsyncSave`)
+    #   _get_output_dir       the staging run dir while that stock save runs
+    #   _settle_save          at a point every rank reaches: when every rank's files are written, the
+    #                         staging folder becomes checkpoint-N, then rotation and on_save; a write
+    #                         error on any rank fails every rank here, naming the path where it failed
+    #   _finalize_training    train() ends only after the last save is checkpoint-N (before the best
+    #                         model is loaded and the end-of-training rotation)
+    def _save_checkpoint(self, model, trial) -> None:
+        if not self.args.save_async:
+            return super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        from .checkpoint_async import STAGING_DIR, AsyncSave, DeferredWrites
+
+        self._settle_save(wait=True)
+        self.callback_handler.__dict__.pop("on_save", None)   # a deferral left by a save no on_save followed
+        run_dir = self._get_output_dir(trial)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging, final = os.path.join(run_dir, STAGING_DIR, folder), os.path.join(run_dir, folder)
+        t0 = time.perf_counter()
+        on_device = self.args.device.type != "cpu"
+        self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
+        try:
+            with DeferredWrites(pin=on_device) as deferred:
+                super()._save_checkpoint(model, trial)
+        finally:
+            self._staging_run_dir = None
+        if self.state.best_model_checkpoint == staging:   # stock named the folder it wrote: its final name
+            self.state.best_model_checkpoint = final
+            if self.args.should_save:
+                from transformers.trainer import TRAINER_STATE_NAME
+
+                self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
+        event = None
+        if on_device:   # the host copies were queued on the current stream, in order with training's kernels
+            event = torch.Event(device=self.args.device)
+            event.record()
+        # Rotation waits for the rename, over the real run dir (the stock save named the staging one).
+        rotations = [dict(kw, output_dir=run_dir, best_model_checkpoint=self.state.best_model_checkpoint)
+                     for kw in deferred.rotations]
+        self._save_in_flight = AsyncSave(deferred.writes, staging, final, state=copy.deepcopy(self.state),
+                                         rotations=rotations, event=event).start()
+        self.save_times["saves"] += 1
+        self.save_times["snapshot_s"] += time.perf_counter() - t0
+        # The Trainer calls on_save next: the callbacks run at the commit, when the files are there.
+        self.callback_handler.on_save = self._on_save_at_commit
+
+    def _on_save_at_commit(self, args, state, control, **kwargs):
+        del self.callback_handler.on_save   # one save's call only: the handler's own method again
+        control.should_save = False
+        return control
+
+    def _get_output_dir(self, trial) -> str:
+        return self._staging_run_dir or super()._get_output_dir(trial)
+
+    def _settle_save(self, wait: bool) -> None:
+        """The save in flight, if every rank has written it: checkpoint-N, rotation, on_save. On every rank."""
+        save = self._save_in_flight
+        if save is None:
+            return
+        if wait:
+            self._watch(f"waiting for the save of {save.final_dir} to finish writing (save_async)")
+            self.save_times["wait_s"] += save.join()
+        t0 = time.perf_counter()
+        pending, failed = save.done is False, save.error is not None
+        if self.args.world_size > 1:   # every rank here, in step order: one small all-reduce
+            import torch.distributed as dist
+
+            from .gradsync.agreement import any_rank
+
+            pending, failed = any_rank([pending, failed], dist.group.WORLD, self.args.device)
+        if failed:
+            self._save_in_flight = None
+            raise RuntimeError(save.failure() if save.error is not None else
+                               f"save_async: another rank failed to write its files of {save.final_dir!r} (its "
+                               f"error names the path); the checkpoint was not made, the previous one is whole")
+        if pending:
+            return
+        self._save_in_flight = None
+        if self.args.should_save:
+            from transformers.trainer import rotate_checkpoints
+
+            save.commit()
+            for kwargs in save.rotations:
+                rotate_checkpoints(**kwargs)
+        self.save_times["write_s"] += save.write_s
+        # The callbacks the Trainer's on_save call would have run (it was deferred to here); should_save
+        # is left alone: it may be this step's own save.
+        self.control = self.callback_handler.call_event("on_save", self.args, save.state, self.control)
+        self.save_times["commit_s"] += time.perf_counter() - t0
+
+    def _finalize_training(self, *args, **kwargs):
+        self._settle_save(wait=True)
+        return super()._finalize_training(*args, **kwargs)
+
     # -- between steps ---------------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, *args, **kwargs):
         # Called right after each optimizer step (and at each epoch's end): the step is over.
         if self._timeline is not None:
             self._timeline.end_step()
         self._watch(f"after step {self.state.global_step} (logging, evaluation or saving a checkpoint)")
+        self._settle_save(wait=False)   # save_async: a checkpoint whose files every rank wrote becomes checkpoint-N
         if self._zero1_optimizer and (self.control.should_evaluate or self.control.should_save):
             # The step's all-gathers would otherwise wait for the next forward (sharded mode).
             self.grad_sync.wait_for_params()

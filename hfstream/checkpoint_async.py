@@ -1,0 +1,221 @@
+"""``save_async``: the stock Trainer's checkpoint, written behind training.
+
+The save is a stream: a snapshot into host memory on the training thread, then the files written
+by a background thread while the next steps run, then a rename that makes them ``checkpoint-N``.
+
+    snapshot      `DeferredWrites`: the stock ``Trainer._save_checkpoint`` runs as it is, on the
+                  training thread, into a staging folder; every ``torch.save`` and safetensors
+                  ``save_file`` it makes keeps a host copy of what it was given instead of writing
+                  (the small JSON files are written at once); its rotation is held back. Whatever
+                  the save gathers (the sharded optimizer state) is gathered here, in step order.
+    write         `AsyncSave`: one thread calls the same functions with the host copies, so the
+                  files are the stock Trainer's, byte for byte.
+    commit        the trainer, at a point every rank reaches (a step boundary, the next save, the
+                  end of training): the ranks agree that every rank's files are complete (one small
+                  all-reduce), then the saving rank renames the staging folder to ``checkpoint-N`` and
+                  rotates. A crash before that leaves no ``checkpoint-N``: `get_last_checkpoint`
+                  never sees a partial one.
+
+Why a thread and not a process: the snapshot is already in host memory, and writing it is file
+I/O and safetensors' or torch's own serialisation, which run outside the GIL for the bulk bytes;
+a process (torchtitan's choice) would copy the snapshot once more through shared memory. The
+measurement is in docs/benchmarks.md when it is made.
+
+Sources: torch.distributed.checkpoint.async_save (snapshot to host, then write in the
+background), Lightning's ``AsyncCheckpointIO``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+STAGING_DIR = ".hfstream-saving"   # under the run's output_dir: no ``checkpoint-N`` name until complete
+
+
+class Write(NamedTuple):
+    """One deferred file write: the original function, the path, and its arguments with host copies."""
+
+    fn: Callable[..., Any]
+    path: str
+    args: tuple
+    kwargs: dict
+
+
+def host_copy(obj: Any, memo: dict, pin: bool = False) -> Any:
+    """``obj`` with every tensor copied to host memory, storages shared as they were (so files are the same).
+
+    Containers are rebuilt; other leaves are deep-copied (a later change in training must not reach
+    the snapshot). A tensor keeps its whole storage, offset and strides: ``torch.save`` writes
+    storages, and a view saved alone would change the file.
+    """
+    if isinstance(obj, torch.Tensor):
+        return _host_tensor(obj, memo, pin)
+    if type(obj) in (dict, list, tuple) or isinstance(obj, dict):
+        if isinstance(obj, dict):
+            out = copy.copy(obj)   # keeps OrderedDict and the like
+            for k, v in obj.items():
+                out[k] = host_copy(v, memo, pin)
+            return out
+        return type(obj)(host_copy(v, memo, pin) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _host_tensor(t: torch.Tensor, memo: dict, pin: bool) -> torch.Tensor:
+    storage = t.untyped_storage()
+    key = (t.device, storage.data_ptr(), storage.nbytes())
+    host = memo.get(key) if storage.nbytes() else None
+    if host is None:
+        whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+        if t.device.type == "cpu":
+            host = whole.clone()
+        else:
+            # Pinned, copied without making the host wait; the writer waits on the stream's event
+            # (`AsyncSave._run`) before it reads the bytes.
+            host = torch.empty(whole.shape, dtype=torch.uint8, pin_memory=pin)
+            host.copy_(whole, non_blocking=pin)
+        memo[key] = host
+    out = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+    if isinstance(t, torch.nn.Parameter):
+        out = torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out
+
+
+class DeferredWrites:
+    """Inside it, on the thread that entered: the big writes keep host copies, rotation waits.
+
+    ``torch.save``, ``safetensors.torch.save_file`` (and transformers' own name for it) record a
+    `Write` whose arguments are host copies; ``transformers.trainer.rotate_checkpoints`` records
+    its arguments. Other threads (a prefetcher, the previous save's writer) call the originals.
+    A ``torch.save`` into a file object (not a path) is written at once: it cannot wait.
+
+    >>> with DeferredWrites() as deferred:               # doctest: +SKIP
+    ...     trainer._save_checkpoint(model, None)
+    >>> deferred.writes[0].path                          # doctest: +SKIP
+    'out/.hfstream-saving/checkpoint-4/model.safetensors'
+    """
+
+    def __init__(self, pin: bool = False):
+        self.writes: list[Write] = []        # in the order the stock save made them
+        self.rotations: list[dict] = []      # rotate_checkpoints' keyword arguments, held back
+        self._pin = pin                      # host copies into pinned memory (an accelerator's tensors)
+        self._memo: dict = {}                # storage -> its host copy, across the whole save (ties kept)
+        self._owner = None                   # the training thread
+        self._undo: list[tuple[object, str, object]] = []   # (module, name, original) to put back
+
+    def __enter__(self) -> "DeferredWrites":
+        import safetensors.torch
+        import transformers.modeling_utils
+        import transformers.trainer
+
+        self._owner = threading.get_ident()
+        self._patch(torch, "save", lambda orig: self._deferred(orig, path_at=1))
+        self._patch(safetensors.torch, "save_file", lambda orig: self._deferred(orig, path_at=1))
+        self._patch(transformers.modeling_utils, "safe_save_file", lambda orig: self._deferred(orig, path_at=1))
+        self._patch(transformers.trainer, "rotate_checkpoints", self._held_rotation)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for module, name, original in reversed(self._undo):
+            setattr(module, name, original)
+        self._undo.clear()
+
+    def _patch(self, module, name: str, make: Callable) -> None:
+        original = getattr(module, name)   # AttributeError: this transformers/safetensors moved it
+        self._undo.append((module, name, original))
+        setattr(module, name, make(original))
+
+    def _deferred(self, original: Callable, path_at: int) -> Callable:
+        def call(*args, **kwargs):
+            path = args[path_at] if len(args) > path_at else kwargs.get("f", kwargs.get("filename"))
+            if threading.get_ident() != self._owner or not isinstance(path, (str, os.PathLike)):
+                return original(*args, **kwargs)
+            self.writes.append(Write(original, os.fspath(path), host_copy(args, self._memo, self._pin),
+                                     host_copy(kwargs, self._memo, self._pin)))
+        return call
+
+    def _held_rotation(self, original: Callable) -> Callable:
+        def call(*args, **kwargs):
+            if threading.get_ident() != self._owner:
+                return original(*args, **kwargs)
+            self.rotations.append(kwargs)
+        return call
+
+
+class AsyncSave:
+    """One checkpoint in flight: its writes on a background thread, then its rename to ``final_dir``.
+
+    Args:
+        writes: the `Write` list of a `DeferredWrites`.
+        staging_dir: where the stock save wrote (``<output_dir>/.hfstream-saving/checkpoint-N``).
+        final_dir: its name once every rank is done (``<output_dir>/checkpoint-N``).
+        state: the Trainer's state at the save (for the ``on_save`` callbacks, run at the commit).
+        rotations: ``rotate_checkpoints`` keyword arguments, for the commit (after the rename).
+        event: on an accelerator, recorded after the host copies; the writer waits on it first.
+    """
+
+    def __init__(self, writes: list[Write], staging_dir: str, final_dir: str, state: Any = None,
+                 rotations: list[dict] | None = None, event=None):
+        self.staging_dir = staging_dir
+        self.final_dir = final_dir
+        self.state = state
+        self.rotations = rotations or []
+        self.writes = writes
+        self.error: tuple[str, BaseException] | None = None   # (the path it failed on, why)
+        self.write_s = 0.0                                      # seconds the writer took
+        self._event = event
+        self._thread = threading.Thread(target=self._run, name=f"hfstream-save-{os.path.basename(final_dir)}",
+                                        daemon=True)
+
+    def start(self) -> "AsyncSave":
+        self._thread.start()
+        return self
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def join(self) -> float:
+        """Wait for this rank's writes; returns the seconds waited."""
+        t0 = time.perf_counter()
+        self._thread.join()
+        return time.perf_counter() - t0
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        path = self.staging_dir
+        try:
+            if self._event is not None:
+                self._event.synchronize()   # the host copies have landed
+            for write in self.writes:
+                path = write.path
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                write.fn(*write.args, **write.kwargs)
+        except BaseException as exc:   # said on the training thread, at the next step
+            self.error = (path, exc)
+        finally:
+            self.writes = []           # the snapshot's memory goes back
+            self.write_s = time.perf_counter() - t0
+
+    def failure(self) -> str:
+        path, exc = self.error
+        return (f"save_async: writing {path!r} failed ({type(exc).__name__}: {exc}); {self.final_dir!r} was not "
+                f"made and the previous checkpoint is whole. Free space or fix the permissions of output_dir, "
+                f"or set save_async=False to save in the training loop")
+
+    def commit(self) -> None:
+        """The staging folder becomes ``final_dir`` (the saving rank only, once every rank is done)."""
+        if os.path.isdir(self.final_dir):   # the stock Trainer overwrites a checkpoint of the same step
+            import shutil
+
+            shutil.rmtree(self.final_dir)
+        os.replace(self.staging_dir, self.final_dir)
+        try:
+            os.rmdir(os.path.dirname(self.staging_dir))   # an empty staging folder is not left in output_dir
+        except OSError:
+            pass

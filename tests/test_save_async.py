@@ -1,0 +1,249 @@
+"""save_async=True: the stock Trainer's checkpoint, written behind training, never seen half-written.
+
+One process here (the files, the timing of the write, a failing write, resuming with the stock
+Trainer); two gloo ranks in every mode are in test_save_async_ranks.py.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import threading
+
+import pytest
+import torch
+from transformers import HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from hfstream import StreamTrainer, StreamTrainingArguments
+from tiny import lm_dataset, params, tiny_causal_lm, train_args
+
+SAVE = dict(save_strategy="steps", save_steps=2, prefetch_depth=0, grad_sync="native")
+
+
+def _trainer(out, cls=StreamTrainer, eval_dataset=None, **kw):
+    return cls(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(), eval_dataset=eval_dataset,
+               args=train_args(StreamTrainingArguments, out, **{**SAVE, **kw}))
+
+
+def _same_files(a, b, ignore=("training_args.bin", "stream_report.json")) -> None:
+    """The same file names, and every file byte for byte (training_args.bin holds save_async itself)."""
+    assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+    names = [n for n in os.listdir(a) if n not in ignore]
+    match, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    assert (mismatch, errors) == ([], []), (a, b)
+    args_a, args_b = (torch.load(os.path.join(d, "training_args.bin"), weights_only=False) for d in (a, b))
+    assert {k: v for k, v in args_a.to_dict().items() if k not in ("save_async", "output_dir")} == \
+        {k: v for k, v in args_b.to_dict().items() if k not in ("save_async", "output_dir")}
+
+
+# -- arguments ----------------------------------------------------------------------------------------
+def test_save_async_is_off_by_default_and_parses_from_the_command_line(tmp_path):
+    assert StreamTrainingArguments(output_dir=str(tmp_path), report_to=[]).save_async is False
+    (a,) = HfArgumentParser(StreamTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--save_async", "--report_to", "none"])
+    assert a.save_async is True
+    assert "background" in StreamTrainingArguments.__dataclass_fields__["save_async"].metadata["help"]
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, None])
+def test_a_bad_save_async_names_the_field(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"save_async=.*True, False"):
+        StreamTrainingArguments(output_dir=str(tmp_path), report_to=[], save_async=bad)
+
+
+@pytest.mark.parametrize("engine,kw", [("FSDP", dict(fsdp="full_shard")),
+                                       ("DeepSpeed", dict(deepspeed={"train_micro_batch_size_per_gpu": "auto"}))])
+def test_save_async_with_an_engine_that_saves_itself_is_refused_naming_the_alternative(tmp_path, engine, kw):
+    with pytest.raises(ValueError, match=f"save_async=True cannot be combined with {engine}.*save_async=False"):
+        StreamTrainingArguments(output_dir=str(tmp_path), report_to=[], save_async=True, grad_sync="native", **kw)
+
+
+def test_save_async_with_fsdp_through_accelerate_launch_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(ValueError, match="save_async=True cannot be combined with FSDP"):
+        StreamTrainingArguments(output_dir=str(tmp_path), report_to=[], save_async=True, grad_sync="native")
+
+
+def test_save_async_with_push_to_hub_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="push_to_hub=True.*save_async=False"):
+        StreamTrainingArguments(output_dir=str(tmp_path), report_to=[], save_async=True, push_to_hub=True)
+
+
+# -- the files ---------------------------------------------------------------------------------------
+def test_async_checkpoints_are_the_blocking_saves_files_byte_for_byte_with_rotation(tmp_path):
+    runs = {}
+    for save_async in (False, True):
+        out = tmp_path / f"async{int(save_async)}"
+        trainer = _trainer(out, max_steps=6, save_total_limit=2, save_async=save_async)
+        trainer.train()
+        runs[save_async] = out
+    assert sorted(os.listdir(runs[True])) == sorted(os.listdir(runs[False])) == ["checkpoint-4", "checkpoint-6"]
+    for name in ("checkpoint-4", "checkpoint-6"):
+        _same_files(runs[False] / name, runs[True] / name)
+    assert get_last_checkpoint(str(runs[True])) == str(runs[True] / "checkpoint-6")
+    assert trainer.save_times["saves"] == 3
+
+
+def test_the_stock_trainer_resumed_from_an_async_checkpoint_ends_as_its_uninterrupted_run(tmp_path):
+    _trainer(tmp_path / "async", max_steps=4, save_async=True).train()
+
+    def stock(out):
+        return Trainer(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(),
+                       args=train_args(TrainingArguments, out, max_steps=8, save_strategy="no"))
+
+    whole = stock(tmp_path / "whole")
+    whole.train()
+    resumed = stock(tmp_path / "resumed")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "async" / "checkpoint-4"))
+    for k, v in params(whole.model).items():
+        torch.testing.assert_close(params(resumed.model)[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")
+    assert resumed.state.global_step == 8
+
+
+def test_load_best_model_at_end_finds_the_async_best_checkpoint(tmp_path):
+    got = {}
+    for save_async in (False, True):
+        out = tmp_path / f"async{int(save_async)}"
+        trainer = _trainer(out, max_steps=6, save_async=save_async, eval_strategy="steps", eval_steps=2,
+                           load_best_model_at_end=True, save_total_limit=1, eval_dataset=lm_dataset(n=8, seed=5))
+        trainer.train()
+        got[save_async] = (os.path.basename(trainer.state.best_model_checkpoint), sorted(os.listdir(out)),
+                           params(trainer.model))
+    assert got[True][:2] == got[False][:2]
+    for k, v in got[False][2].items():
+        assert torch.equal(got[True][2][k], v), k
+
+
+# -- behind training -----------------------------------------------------------------------------------
+class HoldWriter:
+    """Blocks the writer's first file until the training step after the save has begun."""
+
+    def __init__(self):
+        self.step_began = threading.Event()
+        self.order: list[str] = []
+
+    def __enter__(self):
+        import safetensors.torch
+        import transformers.modeling_utils
+
+        self._undo = []
+        for module in (transformers.modeling_utils,):
+            original = module.safe_save_file
+
+            def held(*args, _original=original, **kwargs):
+                if threading.current_thread() is not threading.main_thread():   # the writer, not the snapshot
+                    assert self.step_began.wait(60), "the save blocked training: the next step never began"
+                    self.order.append("written")
+                return _original(*args, **kwargs)
+
+            self._undo.append((module, original))
+            module.safe_save_file = held
+        return self
+
+    def __exit__(self, *exc):
+        for module, original in self._undo:
+            module.safe_save_file = original
+
+
+class StepsBegin(TrainerCallback):
+    def __init__(self, hold: HoldWriter, after: int):
+        self.hold, self.after = hold, after
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.after:
+            self.hold.order.append(f"step {state.global_step + 1} began")
+            self.hold.step_began.set()
+
+
+def test_the_files_are_written_while_the_next_step_trains(tmp_path):
+    # With a blocking save the writer's wait would never end: step 3 cannot begin before step 2's save returns.
+    with HoldWriter() as hold:
+        trainer = _trainer(tmp_path, max_steps=4, save_async=True)
+        trainer.add_callback(StepsBegin(hold, after=2))
+        trainer.train()
+    assert hold.order[:2] == ["step 3 began", "written"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2", "checkpoint-4"]
+
+
+class SeesCheckpoints(TrainerCallback):
+    """What output_dir holds at each step's beginning, and which checkpoints on_save was told of."""
+
+    def __init__(self, out):
+        self.out, self.at_step, self.saved = out, {}, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.at_step[state.global_step] = sorted(n for n in os.listdir(self.out) if n.startswith("checkpoint-"))
+
+    def on_save(self, args, state, control, **kwargs):
+        self.saved.append((state.global_step, os.path.isdir(os.path.join(self.out, f"checkpoint-{state.global_step}"))))
+
+
+def test_checkpoint_n_appears_only_once_written_and_on_save_runs_then(tmp_path):
+    with HoldWriter() as hold:
+        trainer = _trainer(tmp_path, max_steps=4, save_async=True)
+        seen = SeesCheckpoints(tmp_path)
+        trainer.add_callback(StepsBegin(hold, after=2))
+        trainer.add_callback(seen)
+        trainer.train()
+    assert seen.at_step[2] == []                 # step 2's save still writing: no checkpoint-2 yet
+    assert seen.at_step[3] == ["checkpoint-2"]   # renamed at the step boundary once written
+    assert seen.saved == [(2, True), (4, True)]  # on_save with the save's own step, its folder complete
+
+
+def test_train_returns_only_after_the_last_write(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=2, save_async=True)
+    trainer.train()
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+    assert trainer._save_in_flight is None
+
+
+# -- nothing lost ---------------------------------------------------------------------------------------
+def test_a_failed_write_fails_the_run_at_the_next_step_naming_the_path_and_leaves_no_checkpoint(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", disk_full)
+    steps = []
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            steps.append(state.global_step)
+
+    trainer = _trainer(tmp_path, max_steps=6, save_async=True, save_steps=4)
+    trainer.add_callback(Steps())
+    with pytest.raises(RuntimeError, match=r"save_async: writing '.*checkpoint-4/model\.safetensors' failed "
+                                           r"\(OSError.*No space left.*save_async=False"):
+        trainer.train()
+    assert steps == [1, 2, 3, 4, 5] or steps == [1, 2, 3, 4]   # at the step after the save, not later
+    assert get_last_checkpoint(str(tmp_path)) is None
+    assert not (tmp_path / "checkpoint-4").exists()
+
+
+def test_a_save_cut_short_leaves_the_previous_checkpoint_the_last(tmp_path, monkeypatch):
+    # The writer dies inside the second save (a crash mid-write): checkpoint-2 stays the last one, whole.
+    import transformers.modeling_utils
+
+    real = transformers.modeling_utils.safe_save_file
+    calls = []
+
+    def dies_on_second(tensors, filename, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            calls.append(filename)
+            if len(calls) == 2:
+                with open(filename, "wb") as f:
+                    f.write(b"\0" * 10)   # half a file
+                raise SystemExit("killed mid-write")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", dies_on_second)
+    trainer = _trainer(tmp_path, max_steps=6, save_async=True)
+    with pytest.raises(RuntimeError, match="checkpoint-4"):
+        trainer.train()
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    from hfstream.checkpoint import check_checkpoint
+
+    check_checkpoint(tmp_path / "checkpoint-2")   # whole
