@@ -41,6 +41,34 @@ def _reads_grad_on_rank0(base):
     return ReadsGradOnRank0
 
 
+def _logs_on_rank0(base):
+    class LogsOnRank0(base):
+        """A log line of the user's own, from the main process only."""
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.is_world_process_zero():
+                self.log({"probe": float(loss)})
+            return loss
+
+    return LogsOnRank0
+
+
+class EvaluatesAndSavesOnRank0(TrainerCallback):
+    """After each step, the main process alone evaluates a batch by hand and saves the weights."""
+
+    def __init__(self):
+        self.out_dir = None
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        probe = torch.arange(8).remainder(64).view(1, 8)
+        model.eval()
+        with torch.no_grad():
+            self.loss = float(model(input_ids=probe, labels=probe)["loss"])
+        model.train()
+        torch.save(model.state_dict(), f"{args.output_dir}/rank0-weights.pt")
+
+
 class GradNormLogger(TrainerCallback):
     """Reads the mean gradient where stock holds it; added on the main process only."""
 
@@ -110,6 +138,7 @@ class TinyMoE(torch.nn.Module):
 SCENARIOS = {
     "reads-grad-rank0": dict(trainer=_reads_grad_on_rank0),
     "callback-rank0": dict(callback=GradNormLogger),
+    "log-evaluate-save-rank0": dict(trainer=_logs_on_rank0, callback=EvaluatesAndSavesOnRank0),
     "forward-rank0": dict(callback=DiagnosticForward, stock_callback=NoGradDiagnosticForward, build=TinyBatchNormLM),
     # Each rank's own running statistics after the last step, as DDP leaves them (it broadcasts
     # rank 0's only before the next training forward), with and without accumulation.
