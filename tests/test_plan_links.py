@@ -110,3 +110,13 @@ def test_bad_link_values_fail_naming_the_flag(flag, value, capsys):
         P.main([flag, value])
     assert exc.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
+
+
+def test_node_presets_are_within_10_percent_of_published_nccl_tests_bus_bandwidths():
+    # all_reduce_perf -g 8, busbw at large sizes (Alaya NeW, "NCCL-tests in practice", 2026-05-06):
+    # 8x H100 SXM5 460-480 GB/s, 8x A100 SXM4 230-250 GB/s (hfstream/tools/plan/devices.py).
+    from hfstream.tools.plan.devices import DEVICES
+
+    for name, (low, high) in {"h100-80gb": (460, 480), "h200-141gb": (460, 480), "a100-40gb": (230, 250),
+                              "a100-80gb": (230, 250)}.items():
+        assert DEVICES[name].intra_node_gbs == pytest.approx((low + high) / 2, rel=0.10), name

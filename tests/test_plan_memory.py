@@ -133,7 +133,9 @@ def test_activation_bytes_within_10_percent_of_what_autograd_saves(config, dtype
 def test_llama_8b_on_8_h100_says_replicated_adamw_does_not_fit_and_what_does(tmp_path, capsys):
     out_json = tmp_path / "plan.json"
     assert P.main(["--model", "llama-8b", "--devices", "8", "--device", "h100-80gb", "--json", str(out_json)]) == 0
-    out = " ".join(capsys.readouterr().out.split())     # the table's lines wrapped at 100 columns
+    raw = capsys.readouterr().out
+    assert max(len(line) for line in raw.splitlines()) <= 100
+    out = " ".join(raw.split())     # the table's lines wrapped at 100 columns
     assert "replicated adamw does not fit h100-80gb" in out
     assert "smallest change that fits: grad_sync='sharded' + gradient checkpointing" in out
     mem = json.loads(out_json.read_text())["memory"]

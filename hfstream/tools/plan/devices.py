@@ -3,10 +3,14 @@
 Figures are the vendors' data-sheet numbers (dense bf16 tensor FLOP/s, no sparsity), memory as
 ``nvidia-smi`` reports the total (MiB), and the links of the usual node (NVIDIA DGX/HGX:
 8 GPUs on NVLink, one 400 Gb/s (H100, H200) or 200 Gb/s (A100) InfiniBand NIC per GPU).
-The NVLink figure is the per-direction bandwidth of one GPU (H100/H200 NVLink 4: 900 GB/s both
-ways = 450 GB/s each way; A100 NVLink 3: 600 = 300) used as the ring's bus bandwidth. That is an
-assumption to check against your own ``all_reduce_perf`` (nccl-tests): a busbw of about that
-size is what 8-GPU NVLink nodes reach for large messages; NVLink SHARP (NVLS) can do better.
+The intra-node figure is the bus bandwidth of a ring all-reduce over the node's 8 GPUs for
+large messages (nccl-tests' ``busbw``). H100/H200: NVLink 4's 450 GB/s each way (900 GB/s both
+ways, data sheet); measured ``all_reduce_perf -g 8`` busbw on 8x H100 SXM5 is published as
+460-480 GB/s (Alaya NeW, "NCCL-tests in practice", 2026-05-06,
+docs.alayanew.com/en/docs/tech-blog/2026-05-06-nccl-tests), within 7 % of 450. A100: NVLink 3
+is 300 GB/s each way, but the same source measures 230-250 GB/s busbw on 8x A100 SXM4, so the
+preset takes the measured 240 (300 would price the all-reduce 25 % short). Your own
+``all_reduce_perf`` is the figure to trust: ``--intra-node-gbs`` replaces the preset's.
 """
 
 from __future__ import annotations
@@ -39,9 +43,9 @@ DEVICES: dict[str, DevicePreset] = {
     "h100-80gb": DevicePreset(81559 * MiB, 989.0, 3350.0, 8, 450.0, 50.0),
     # H200 SXM: as H100, 141 GB HBM3e at 4.8 TB/s.
     "h200-141gb": DevicePreset(143771 * MiB, 989.0, 4800.0, 8, 450.0, 50.0),
-    # A100 SXM4: 312 TFLOP/s bf16, NVLink 3 300 GB/s each way, 200 Gb/s HDR per GPU.
-    "a100-40gb": DevicePreset(40960 * MiB, 312.0, 1555.0, 8, 300.0, 25.0),
-    "a100-80gb": DevicePreset(81920 * MiB, 312.0, 2039.0, 8, 300.0, 25.0),
+    # A100 SXM4: 312 TFLOP/s bf16, NVLink 3 (240 GB/s measured busbw, above), 200 Gb/s HDR per GPU.
+    "a100-40gb": DevicePreset(40960 * MiB, 312.0, 1555.0, 8, 240.0, 25.0),
+    "a100-80gb": DevicePreset(81920 * MiB, 312.0, 2039.0, 8, 240.0, 25.0),
     # L4: 121 TFLOP/s bf16, 300 GB/s GDDR6, no NVLink: PCIe Gen4 x16 (~25 GB/s achieved), 100 Gb/s NIC shared.
     "l4-24gb": DevicePreset(23034 * MiB, 121.0, 300.0, 8, 25.0, 12.5),
 }

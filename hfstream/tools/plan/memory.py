@@ -4,7 +4,8 @@ Per device, for ``P`` trainable parameters, ``N`` devices and the bytes per para
 optimizer (`OPTIMIZERS`; mixed-precision AdamW: 2 + 2 + 12 = 16, Rajbhandari et al. 2020,
 "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", arXiv:1910.02054, sec. 3.1):
 
-    mode         parameters   gradients               optimizer state   buffers
+    mode         parameters   gradients               optimizer state   buffers (+ P x 2 of autocast's
+                                                                        bf16 weights: ``adamw-amp``)
     replicated   P p          P g                     P k               P w if the wire's dtype is not
     (overlap,                                                           the gradient's (else .grad is a
      serial, DDP)                                                       view of the bucket: DDP's
@@ -50,12 +51,17 @@ class OptimizerBytes:
     activation_bytes: int
     """Bytes of one activation element (2 = bf16/fp16 under mixed precision, 4 = fp32)."""
     what: str
+    cast: float = 0
+    """16-bit copies of the weights autocast makes in forward and the matmuls keep for backward."""
 
 
 OPTIMIZERS: dict[str, OptimizerBytes] = {
     "adamw": OptimizerBytes(2, 2, 12, 2, "mixed-precision AdamW: 16-bit parameters and gradients, fp32 master, m, v "
                                          "(2 + 2 + 4 + 4 + 4 = 16 B, the ZeRO paper's K = 12)"),
     "adamw-fp32": OptimizerBytes(4, 4, 8, 4, "fp32 AdamW: parameters, gradients, m, v (4 + 4 + 4 + 4 = 16 B)"),
+    "adamw-amp": OptimizerBytes(4, 4, 8, 2, "AdamW under torch.autocast (the Trainer's bf16=True): fp32 parameters, "
+                                            "gradients, m, v (16 B) and bf16 weight copies kept for backward (2 B)",
+                                cast=2),
     "sgd": OptimizerBytes(2, 2, 8, 2, "mixed-precision SGD with momentum: fp32 master and momentum (2 + 2 + 4 + 4 = 12 B)"),
     "sgd-fp32": OptimizerBytes(4, 4, 4, 4, "fp32 SGD with momentum (4 + 4 + 4 = 12 B)"),
 }
@@ -158,9 +164,9 @@ def memory_by_mode(shape: ModelShape, world_size: int, optimizer: OptimizerBytes
     gathered = max(2 * max(layers, default=0), root) * o.params + max(layers + [root]) * o.grads
     modes = {
         "replicated": {"params": P * o.params, "grads": P * o.grads, "optimizer": P * o.state,
-                       "buffers": 0 if wire == o.grads or N == 1 else P * wire},
+                       "buffers": P * o.cast + (0 if wire == o.grads or N == 1 else P * wire)},
         "sharded": {"params": P * o.params, "grads": P * (o.grads if N == 1 else wire), "optimizer": P * o.state / N,
-                    "buffers": 0 if N == 1 else P * o.grads / N},
+                    "buffers": P * o.cast + (0 if N == 1 else P * o.grads / N)},
         "fsdp": {"params": P * o.params / N, "grads": P * o.grads / N, "optimizer": P * o.state / N,
                  "buffers": 0 if N == 1 else gathered},
     }
@@ -266,11 +272,13 @@ def format_memory(doc: dict, device: str) -> list[str]:
     head = [f"memory per device at N = {doc['world_size']:,} (GiB) | {doc['optimizer']}: {o['what']} | activations: "
              f"micro-batch {doc['micro_batch']} x {doc['seq_len']:,} tokens, {o['activation_bytes']}-byte, "
              f"{doc['attention']} attention, " + ("gradient checkpointing" if doc["checkpointing"] else "no checkpointing")
-             + f" (Korthikanti et al. 2022 count; {_gb(a['per_layer'])} GiB a layer)"]
+             + f" (Korthikanti et al. 2022 count; {_gb(a['per_layer'])} GiB a layer)"
+             + (f" | fits = at most {_gb(doc['usable_bytes'])} of {device}'s {_gb(doc['device_bytes'])} GiB "
+                f"({doc['usable_fraction']:.0%}: the CUDA context and the allocator take the rest)"
+                if doc["device_bytes"] else "")]
     tail = []
     lines = [f"{'mode':<17}{'params':>8}{'grads':>8}{'optim':>8}{'buffers':>9}{'activ':>8}{'total':>8}"
-             + (f"  fits {device} ({_gb(doc['usable_bytes'])} of {_gb(doc['device_bytes'])} usable)"
-                if doc["device_bytes"] else "")]
+             + ("  fits" if doc["device_bytes"] else "")]
     rows = [(name, m) for name, m in doc["modes"].items()]
     rows += [(name + " +ckpt", m) for name, m in doc.get("modes_checkpointed", {}).items()]
     for name, m in rows:
