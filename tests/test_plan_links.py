@@ -45,9 +45,12 @@ def test_latency_counts_the_steps_of_both_rings_and_a_reduce_scatter_is_half():
 
 
 def test_without_a_node_size_it_is_the_flat_ring():
+    # 2(N-1)/N x 7e8 B / 25 GB/s + 2(N-1) x 5 us, whatever the node bandwidth when a node holds one device.
     for n in (2, 3, 8, 1024):
-        assert Links(25, 5, None).all_reduce_s(7e8, n) == pytest.approx(P.allreduce_s(7e8, n, 25, 5))
-        assert Links(25, 5, 1, 900).all_reduce_s(7e8, n) == pytest.approx(P.allreduce_s(7e8, n, 25, 5))
+        flat = 2 * (n - 1) / n * 7e8 / 25e9 + 2 * (n - 1) * 5e-6
+        assert Links(25, 5, None).all_reduce_s(7e8, n) == pytest.approx(flat)
+        assert Links(25, 5, 1, 900).all_reduce_s(7e8, n) == pytest.approx(flat)
+        assert P.allreduce_s(7e8, n, 25, 5) == pytest.approx(flat)
 
 
 def test_a_part_filled_node_is_priced_as_a_full_one():

@@ -150,8 +150,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-memory", type=_size, default=None, metavar="SIZE",
                         help="device memory instead of --device's, e.g. 80GB (10**9), 80GiB or bytes")
     parser.add_argument("--devices", type=_number(int, 1, True, "an integer >= 1"), default=None,
-                        help="the world size the memory is given for (default: the largest of --world-sizes; "
-                             "added to the table)")
+                        help="the world size the memory is given for, added to the table (default: one node "
+                             "of --device, else the largest of --world-sizes)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                         help="optimizer and precision for the memory (default adamw: mixed precision, 16 B/param)")
     parser.add_argument("--micro-batch-size", type=_number(int, 1, True, "an integer >= 1"), default=None,
@@ -255,7 +255,7 @@ def _memory(ns: argparse.Namespace, shape: ModelShape, cfg: PlanConfig, dev) -> 
         raise ValueError(f"--micro-batch-size {micro_batch} x --seq-len {seq_len} is more than --tokens-per-device "
                          f"{cfg.tokens_per_device}: lower --micro-batch-size or raise --tokens-per-device")
     device_bytes = ns.device_memory if ns.device_memory is not None else dev.memory_bytes if dev else None
-    world_size = ns.devices if ns.devices is not None else max(cfg.world_sizes)
+    world_size = ns.devices or cfg.devices_per_node or max(cfg.world_sizes)
     return memory_report(shape, world_size, ns.optimizer, seq_len, micro_batch, device_bytes,
                          checkpointing=ns.gradient_checkpointing, attention=ns.attention)
 

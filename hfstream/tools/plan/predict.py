@@ -269,10 +269,9 @@ def ring_factor(world_size: int) -> float:
 
 
 def allreduce_s(nbytes: float, world_size: int, link_gbs: float, latency_us: float) -> float:
-    """Seconds of one ring all-reduce of ``nbytes`` alone on the link: 2(N-1)/N b/B + 2(N-1) alpha."""
-    if world_size <= 1:
-        return 0.0
-    return ring_factor(world_size) * nbytes / (link_gbs * 1e9) + 2 * (world_size - 1) * latency_us * 1e-6
+    """Seconds of one ring all-reduce of ``nbytes`` alone on a flat link: 2(N-1)/N b/B + 2(N-1) alpha
+    (by level: `links.Links`)."""
+    return Links(link_gbs, latency_us).all_reduce_s(nbytes, world_size)
 
 
 def step_flops(shape: ModelShape, cfg: PlanConfig) -> float:
@@ -357,13 +356,6 @@ def predict_row(shape: ModelShape, cfg: PlanConfig, world_size: int,
         # Faster by more than rounding: with one bucket and a free optimizer the two are equal.
         "sharded_beats_overlap": sharded["step_sharded_ms"] < step_overlap * (1 - 1e-9),
     }
-
-
-def half_s(nbytes: float, world_size: int, link_gbs: float, latency_us: float) -> float:
-    """Seconds of one ring reduce-scatter (or all-gather) of ``nbytes``: (N-1)/N b/B + (N-1) alpha."""
-    if world_size <= 1:
-        return 0.0
-    return (world_size - 1) / world_size * nbytes / (link_gbs * 1e9) + (world_size - 1) * latency_us * 1e-6
 
 
 def predict_sharded(buckets: list[tuple[float, float]], world_size: int, cfg: PlanConfig,
