@@ -189,3 +189,28 @@ def test_device_memory_sizes():
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("80GiB") == parse_bytes("80G") == 80 * 2**30
     assert parse_bytes("85899345920") == 80 * 2**30
+
+
+@pytest.mark.parametrize("config", [GPT2_TINY, LLAMA_TINY], ids=["gpt2", "llama"])
+def test_autocast_weight_copies_are_what_autograd_keeps_under_the_trainers_bf16(config):
+    # The Trainer's bf16=True runs forward under torch.autocast: fp32 parameters, and a bf16 copy of
+    # every matmul weight that the matmul keeps for backward (adamw-amp's extra 2 B a weight).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_hf_config(config, attn_implementation="eager")).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = {2 * p.numel() for p in model.parameters() if p.dim() == 2}
+    copies: dict[int, int] = {}
+
+    def pack(t):   # a bf16 storage the size of a weight (100 tokens: no activation has that size)
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and t.dtype == torch.bfloat16 and st.nbytes() in sizes:
+            copies.setdefault(st.data_ptr(), st.nbytes())
+        return t
+
+    ids = torch.randint(0, 512, (2, 50))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=ids)
+    m = memory_by_mode(P.shape_from_config(config), 1, OPTIMIZERS["adamw-amp"], activations=0)["replicated"]
+    assert m["buffers"] == pytest.approx(sum(copies.values()), rel=0.10)
+    assert (m["params"], m["grads"], m["optimizer"]) == tuple(b * P.shape_from_config(config).params for b in (4, 4, 8))

@@ -4,8 +4,8 @@ Per device, for ``P`` trainable parameters, ``N`` devices and the bytes per para
 optimizer (`OPTIMIZERS`; mixed-precision AdamW: 2 + 2 + 12 = 16, Rajbhandari et al. 2020,
 "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", arXiv:1910.02054, sec. 3.1):
 
-    mode         parameters   gradients               optimizer state   buffers (+ P x 2 of autocast's
-                                                                        bf16 weights: ``adamw-amp``)
+    mode         parameters   gradients               optimizer state   buffers (+ 2 B a matmul weight:
+                                                                        autocast's bf16 copies, adamw-amp)
     replicated   P p          P g                     P k               P w if the wire's dtype is not
     (overlap,                                                           the gradient's (else .grad is a
      serial, DDP)                                                       view of the bucket: DDP's
@@ -150,6 +150,15 @@ def _units(shape: ModelShape) -> tuple[list[int], int]:
     return list(layers.values()), root
 
 
+def _matmul_params(shape: ModelShape) -> int:
+    """Parameters autocast casts for a matmul and autograd keeps for backward: weights that are
+    not a lookup table nor a norm's (biases are added, not kept)."""
+    if not shape.tensors:
+        return shape.params
+    return sum(n for name, n, kind in shape.tensors
+               if kind != "lookup" and name.endswith("weight") and "norm" not in name and ".ln_" not in name)
+
+
 def memory_by_mode(shape: ModelShape, world_size: int, optimizer: OptimizerBytes, activations: float,
                    wire_bytes: float | None = None) -> dict[str, dict]:
     """Bytes per device in each mode (module docstring): ``params``, ``grads``, ``optimizer``,
@@ -161,12 +170,13 @@ def memory_by_mode(shape: ModelShape, world_size: int, optimizer: OptimizerBytes
     P, N, o = shape.params, world_size, optimizer
     wire = o.grads if wire_bytes is None else wire_bytes
     layers, root = _units(shape)
+    cast = _matmul_params(shape) * o.cast
     gathered = max(2 * max(layers, default=0), root) * o.params + max(layers + [root]) * o.grads
     modes = {
         "replicated": {"params": P * o.params, "grads": P * o.grads, "optimizer": P * o.state,
-                       "buffers": P * o.cast + (0 if wire == o.grads or N == 1 else P * wire)},
+                       "buffers": cast + (0 if wire == o.grads or N == 1 else P * wire)},
         "sharded": {"params": P * o.params, "grads": P * (o.grads if N == 1 else wire), "optimizer": P * o.state / N,
-                    "buffers": P * o.cast + (0 if N == 1 else P * o.grads / N)},
+                    "buffers": cast + (0 if N == 1 else P * o.grads / N)},
         "fsdp": {"params": P * o.params / N, "grads": P * o.grads / N, "optimizer": P * o.state / N,
                  "buffers": 0 if N == 1 else gathered},
     }
