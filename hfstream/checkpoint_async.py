@@ -50,6 +50,9 @@ class Write(NamedTuple):
 def host_copy(obj: Any, memo: dict, pin: bool = False) -> Any:
     """``obj`` with every tensor copied to host memory, storages shared as they were (so files are the same).
 
+    ``memo`` maps a storage to its host copy; keep one per call, while the tensors of ``obj`` are alive
+    (a storage is known by its address).
+
     Containers are rebuilt; other leaves are deep-copied (a later change in training must not reach
     the snapshot). A tensor keeps its whole storage, offset and strides: ``torch.save`` writes
     storages, and a view saved alone would change the file.
@@ -104,7 +107,6 @@ class DeferredWrites:
         self.writes: list[Write] = []        # in the order the stock save made them
         self.rotations: list[dict] = []      # rotate_checkpoints' keyword arguments, held back
         self._pin = pin                      # host copies into pinned memory (an accelerator's tensors)
-        self._memo: dict = {}                # storage -> its host copy, across the whole save (ties kept)
         self._owner = None                   # the training thread
         self._undo: list[tuple[object, str, object]] = []   # (module, name, original) to put back
 
@@ -135,8 +137,11 @@ class DeferredWrites:
             path = args[path_at] if len(args) > path_at else kwargs.get("f", kwargs.get("filename"))
             if threading.get_ident() != self._owner or not isinstance(path, (str, os.PathLike)):
                 return original(*args, **kwargs)
-            self.writes.append(Write(original, os.fspath(path), host_copy(args, self._memo, self._pin),
-                                     host_copy(kwargs, self._memo, self._pin)))
+            # One memo per file: storages shared within a file stay shared; across files an address may
+            # be a freed temporary's reused by another tensor, so a save-wide memo would copy the wrong one.
+            memo: dict = {}
+            self.writes.append(Write(original, os.fspath(path), host_copy(args, memo, self._pin),
+                                     host_copy(kwargs, memo, self._pin)))
         return call
 
     def _held_rotation(self, original: Callable) -> Callable:
