@@ -133,7 +133,7 @@ class HoldWriter:
 
             def held(*args, _original=original, **kwargs):
                 if threading.current_thread() is not threading.main_thread():   # the writer, not the snapshot
-                    assert self.step_began.wait(60), "the save blocked training: the next step never began"
+                    assert self.step_began.wait(20), "the save blocked training: the next step never began"
                     self.order.append("written")
                 return _original(*args, **kwargs)
 
@@ -180,15 +180,15 @@ class SeesCheckpoints(TrainerCallback):
 
 
 def test_checkpoint_n_appears_only_once_written_and_on_save_runs_then(tmp_path):
-    with HoldWriter() as hold:
-        trainer = _trainer(tmp_path, max_steps=4, save_async=True)
+    with HoldWriter() as hold:   # step 2's save is written only once step 4 begins
+        trainer = _trainer(tmp_path, max_steps=6, save_async=True)
         seen = SeesCheckpoints(tmp_path)
-        trainer.add_callback(StepsBegin(hold, after=2))
+        trainer.add_callback(StepsBegin(hold, after=3))
         trainer.add_callback(seen)
         trainer.train()
-    assert seen.at_step[2] == []                 # step 2's save still writing: no checkpoint-2 yet
-    assert seen.at_step[3] == ["checkpoint-2"]   # renamed at the step boundary once written
-    assert seen.saved == [(2, True), (4, True)]  # on_save with the save's own step, its folder complete
+    assert seen.at_step[2] == seen.at_step[3] == []   # still writing: no checkpoint-2, even at step 3's boundary
+    assert seen.at_step[4] == ["checkpoint-2"]        # renamed at the first boundary after it was written
+    assert seen.saved == [(2, True), (4, True), (6, True)]  # on_save with the save's own step, its folder complete
 
 
 def test_train_returns_only_after_the_last_write(tmp_path):
