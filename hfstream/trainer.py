@@ -116,10 +116,14 @@ class StreamTrainerMixin:
         CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._zero1_optimizer else None,
                       self._note).install()
         # save_async (the checkpoint section below): the save in flight, the staging run dir while the
-        # stock save runs into it, and the seconds the saves cost the training thread.
+        # stock save runs into it, and the seconds the saves cost: ``exposed_s`` is what the training
+        # thread spent on them (the whole save when blocking; snapshot, waits and renames when async),
+        # ``write_s`` what the writer spent behind training.
         self._save_in_flight = None
         self._staging_run_dir: str | None = None
-        self.save_times = {"saves": 0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0, "write_s": 0.0}
+        self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
+                           "write_s": 0.0}
+        self._save_exposed_logged = 0.0   # exposed_s already in a log line
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
     def train(self, resume_from_checkpoint=None, *args: Any, **kwargs: Any):
@@ -514,7 +518,11 @@ class StreamTrainerMixin:
     #                         model is loaded and the end-of-training rotation)
     def _save_checkpoint(self, model, trial) -> None:
         if not self.args.save_async:
-            return super()._save_checkpoint(model, trial)
+            t0 = time.perf_counter()
+            super()._save_checkpoint(model, trial)
+            self.save_times["saves"] += 1
+            self.save_times["exposed_s"] += time.perf_counter() - t0
+            return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         from .checkpoint_async import STAGING_DIR, AsyncSave, DeferredWrites
@@ -549,6 +557,7 @@ class StreamTrainerMixin:
                                          rotations=rotations, event=event).start()
         self.save_times["saves"] += 1
         self.save_times["snapshot_s"] += time.perf_counter() - t0
+        self.save_times["exposed_s"] += time.perf_counter() - t0
         # The Trainer calls on_save next: the callbacks run at the commit, when the files are there.
         self.callback_handler.on_save = self._on_save_at_commit
 
@@ -567,7 +576,9 @@ class StreamTrainerMixin:
             return
         if wait:
             self._watch(f"waiting for the save of {save.final_dir} to finish writing (save_async)")
-            self.save_times["wait_s"] += save.join()
+            waited = save.join()
+            self.save_times["wait_s"] += waited
+            self.save_times["exposed_s"] += waited
         t0 = time.perf_counter()
         pending, failed = save.done is False, save.error is not None
         if self.args.world_size > 1:   # every rank here, in step order: one small all-reduce
@@ -595,6 +606,7 @@ class StreamTrainerMixin:
         # is left alone: it may be this step's own save.
         self.control = self.callback_handler.call_event("on_save", self.args, save.state, self.control)
         self.save_times["commit_s"] += time.perf_counter() - t0
+        self.save_times["exposed_s"] += time.perf_counter() - t0
 
     def _finalize_training(self, *args, **kwargs):
         self._settle_save(wait=True)
@@ -633,6 +645,10 @@ class StreamTrainerMixin:
                 logs["stream/copy_ms"], logs["stream/copy_gbps"] = round(copies.copy_ms, 4), round(copies.copy_gbps, 3)
             if self.grad_sync is not None and isinstance(self.grad_sync.bucket_mb, float):
                 logs["stream/bucket_mb"] = self.grad_sync.bucket_mb    # the tuned cap, under "auto"
+            exposed = self.save_times["exposed_s"]
+            if exposed > self._save_exposed_logged:   # the training thread's time in saves since the last log
+                logs["stream/save_exposed_ms"] = round(1000 * (exposed - self._save_exposed_logged), 3)
+                self._save_exposed_logged = exposed
         super().log(logs, *args, **kwargs)
         # The reporters (TensorBoard, W&B, the console) got the timings; the Trainer's state does
         # not keep them: trainer_state.json stays the stock Trainer's, and a resumed run's state

@@ -247,3 +247,16 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_the_last(tmp_path, monk
     from hfstream.checkpoint import check_checkpoint
 
     check_checkpoint(tmp_path / "checkpoint-2")   # whole
+
+
+def test_the_reporters_get_the_exposed_save_time_and_the_state_stays_stock(tmp_path):
+    from tiny import reported
+
+    for save_async in (False, True):
+        trainer = _trainer(tmp_path / str(save_async), max_steps=4, save_async=save_async)
+        logs = reported(trainer)
+        trainer.train()
+        shown = [log["stream/save_exposed_ms"] for log in logs if "stream/save_exposed_ms" in log]
+        assert shown and all(ms > 0 for ms in shown), save_async
+        assert trainer.save_times["saves"] == 2 and trainer.save_times["exposed_s"] > 0
+        assert not any("stream/save_exposed_ms" in h for h in trainer.state.log_history)
