@@ -1,14 +1,20 @@
-"""10.reduce_scatter: a reduce-scatter built from all-to-all, checked on 2 and 4 thread ranks."""
+"""10.reduce_scatter: a reduce-scatter built from all-to-all, checked on 2, 3 and 4 thread ranks.
+
+The property: for any world size N (a power of two or not) and any slice size S, rank r ends with
+the mean over all ranks of slice r of their tensors. Pairings that only work on powers of two
+(partner = rank ^ step) meet their first counterexample at N = 3."""
 
 from __future__ import annotations
 
 import functools
+import itertools
+import re
 
 import torch
 
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub
 
-from .threads import REFUSED, _close, _unwaited, run_ranks
+from .threads import REFUSED, _close, _unwaited, _your_line, in_threads, raise_rank_error
 
 
 # =============================================================================================
@@ -19,7 +25,7 @@ rs_ex = Exercise("10.reduce_scatter", uses=["reduce_scatter_mean"], title="a red
 RS_REFUSE = {name: REFUSED[name] for name in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor",
                                               "reduce_scatter")}
 RS_SIZES = (3, 1000)       # elements per rank's slice
-RS_WORLDS = (2, 4)
+RS_WORLDS = (2, 3, 4)      # 3: not a power of two, so a rank ^ step pairing names a rank that does not exist
 RS_HINT = ("rank r must end with the mean over all ranks of slice r of their tensors (S elements) and nothing "
            "else: compare what each rank holds after your exchange with that, on 2 ranks and S = 3")
 RS_REVEAL = ("received = torch.empty_like(flat); dist.all_to_all_single(received, flat); "
@@ -42,12 +48,36 @@ def _rs_rank(rank, world_size, world, fn):
     return out
 
 
+def _peer_beyond(exc: BaseException, n: int) -> bool:
+    """Whether ``exc`` names rank N or beyond, a rank that does not exist: the thread ranks' refusal of such a
+    peer, or an index past the N chunks of the input."""
+    found = re.search(r"named peer (-?\d+)", str(exc))
+    if found is not None:
+        return int(found.group(1)) >= n
+    found = re.search(r"index (\d+) is out of bounds for dimension 0 with size (\d+)", str(exc))
+    return found is not None and int(found.group(2)) == n and int(found.group(1)) >= n
+
+
+def _beyond(exc: BaseException) -> str:
+    return re.search(r"(?:named peer|index) (-?\d+)", str(exc)).group(1)
+
+
 def _rs_facts(learner) -> dict:
     def compute():
         facts = {}
         for n in RS_WORLDS:
-            facts[n] = run_ranks(functools.partial(_rs_rank, fn=learner.reduce_scatter_mean), n, RS_HINT, RS_REVEAL,
-                                 refuse=RS_REFUSE, where=f"{n} ranks: ")
+            results, errors, world = in_threads(functools.partial(_rs_rank, fn=learner.reduce_scatter_mean), n,
+                                                refuse=RS_REFUSE)
+            bad = [(r, e) for r, e in enumerate(errors) if e is not None and _peer_beyond(e, n)]
+            if bad and not any(e["event"] == "refused" for e in world.log):
+                r, exc = bad[0]
+                raise Wrong(f"{n} ranks: rank {r} paired itself with rank {_beyond(exc)}, which does not exist at "
+                            f"N = {n} ({str(exc).splitlines()[0]}{_your_line(exc)}): a pairing such as partner = rank "
+                            f"^ step covers every rank only when N is a power of two. Exchange with every other rank "
+                            f"by a rule that holds for any N", reveal=RS_REVEAL)
+            if any(errors):
+                raise_rank_error(errors, world, RS_HINT, RS_REVEAL, where=f"{n} ranks: ")
+            facts[n] = results
         return facts
     return learner.once("10.reduce_scatter", compute)
 
@@ -87,13 +117,22 @@ def _rs_diagnose(got: torch.Tensor | None, rank: int, n: int, size: int, log: li
         if j != rank and (_close(g, sum(chunk(r, j) for r in range(n)) / n)):
             return (f"rank {rank} holds the mean of slice {j}: rank r must end with slice r (elements r*S to "
                     f"(r+1)*S), so send slice j to rank j, not the other way round")
+    for k in range(1, n):                 # some peers' contributions never arrived
+        for ranks in itertools.combinations(range(n), k):
+            part = sum(chunk(r, rank) for r in ranks)
+            if rank in ranks and (_close(g, part / n) or _close(g, part / k)):
+                gone = [r for r in range(n) if r not in ranks]
+                return (f"rank {rank} holds the contributions of ranks {', '.join(map(str, ranks))} only: what rank"
+                        f"{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} sent for slice {rank} never "
+                        f"arrived. Every rank must exchange with every other rank, for any N: a pairing that "
+                        f"covers everyone only when N is a power of two (partner = rank ^ step) skips peers at N = 3")
     if n == 2 and (_close(g, chunk(1 - rank, rank)) or _close(g, chunk(1 - rank, rank) / n)):
         return ("that is only what the other rank sent: the mean needs your own contribution to slice `rank` "
                 "too")
     return "the result is not this rank's slice of the mean"
 
 
-@rs_ex.case("each rank ends with the mean of its own slice (2 and 4 ranks, S = 3 and 1000)", hint=RS_HINT,
+@rs_ex.case("each rank ends with the mean of its own slice (2, 3 and 4 ranks, S = 3 and 1000)", hint=RS_HINT,
             reveal=RS_REVEAL, timeout=60)
 def _(learner):
     facts = _rs_facts(learner)
@@ -108,7 +147,7 @@ def _(learner):
 
 @rs_ex.case("it sends each peer only that peer's slice: (N-1)/N of the tensor, half an all-reduce's bytes",
             hint="count what each rank sends: a peer needs only its own slice of your tensor", timeout=60,
-            after="each rank ends with the mean of its own slice (2 and 4 ranks, S = 3 and 1000)")
+            after="each rank ends with the mean of its own slice (2, 3 and 4 ranks, S = 3 and 1000)")
 def _(learner):
     facts = _rs_facts(learner)
     for n, results in facts.items():
@@ -125,7 +164,7 @@ def _(learner):
             if sent < 0.99 * want:
                 raise AssertionError(f"{n} ranks: rank {rank} sent {sent:.0f} bytes, fewer than the "
                                      f"{want:.0f} every peer's slice takes")
-    return "2 ranks: 0.50 x the tensor, 4 ranks: 0.75 x (an all-reduce: 1.00 x and 1.50 x)"
+    return "2 ranks: 0.50 x the tensor, 3 ranks: 0.67 x, 4 ranks: 0.75 x (an all-reduce: 1.00 x, 1.33 x, 1.50 x)"
 
 
 def learner_reduce_scatter(namespace: dict) -> str | None:
