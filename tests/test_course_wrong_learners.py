@@ -74,3 +74,45 @@ def test_reduce_scatter_paired_by_xor_skipping_missing_peers_names_the_lost_cont
     first = _failures("10.reduce_scatter", RS_XOR_GUARDED)[0]
     assert first.startswith("3 ranks, rank "), first
     assert "never arrived" in first and "power of two" in first, first
+
+
+# --------------------------------------------------------------------------- 08.check_advice
+ADVICE_RIGHT = """
+def check_advice(report, rerun):
+    advice = report["advice"][0]
+    applied = {advice["setting"]: advice["value"]}
+    after = rerun(**applied)
+    wait = report["mean"]["data_wait_ms"]
+    rest = report["mean"]["step_ms"] - wait
+    measured = after["mean"]["step_ms"]
+    return {"applied": applied, "mine_ms": max(rest, wait), "predicted_ms": advice["predicted_step_ms"],
+            "measured_ms": measured, "error": (advice["predicted_step_ms"] - measured) / measured}
+"""
+# "The advice that promises the fastest step": right whenever the first advice is also the fastest.
+ADVICE_LOWEST = _changed(ADVICE_RIGHT, 'advice = report["advice"][0]',
+                         'advice = min(report["advice"], key=lambda a: a["predicted_step_ms"])')
+# "My prediction" read off the run after the change: right whenever the rerun measures exactly max(rest, wait).
+ADVICE_MEASURED_AS_MINE = _changed(ADVICE_RIGHT, '"mine_ms": max(rest, wait)', '"mine_ms": measured')
+
+
+def test_check_advice_solution_passes_on_the_drawn_reports():
+    from course.checks.lesson08 import advice_draws
+
+    draws = advice_draws()
+    assert len(draws) >= 4
+    for report, after in draws:        # the property's premise: the first advice is not the fastest
+        first = report["advice"][0]["predicted_step_ms"]
+        assert min(a["predicted_step_ms"] for a in report["advice"][1:]) < first
+        assert after not in (first, max(report["mean"]["step_ms"] - report["mean"]["data_wait_ms"],
+                                        report["mean"]["data_wait_ms"]))
+    assert _failures("08.check_advice", ADVICE_RIGHT) == []
+
+
+def test_applying_the_fastest_advice_instead_of_the_first_is_named():
+    first = _failures("08.check_advice", ADVICE_LOWEST)[0]
+    assert first.startswith("you applied the advice that promised the fastest step, not the first"), first
+
+
+def test_the_measured_step_reported_as_my_prediction_is_named():
+    first = _failures("08.check_advice", ADVICE_MEASURED_AS_MINE)[0]
+    assert first.startswith("your prediction is the step measured after the change"), first

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import io
 import math
+import random
 import tempfile
 
 import torch
@@ -381,6 +382,38 @@ class _Rerun:
         return report
 
 
+# Drawn reports: the property is "apply the first advice, whatever the others promise; predict before
+# the run". Each draw's first advice is *not* the lowest prediction (a later one, which changes the
+# results, promises a faster step), and the rerun measures a step that is neither prediction, so a
+# learner who takes the lowest prediction, or calls the measurement a prediction, is seen.
+ADVICE_DRAWS = 4
+ADVICE_SEED = 8
+
+
+def advice_draws(n: int = ADVICE_DRAWS, seed: int = ADVICE_SEED) -> list[tuple[dict, float]]:
+    """``n`` (report, measured step after the change) pairs drawn from a seeded generator: loaders
+    slower and faster than the rest of the step (alternately), 2 or 3 pieces of advice whose first is
+    not the fastest."""
+    rng = random.Random(seed)
+    draws = []
+    for i in range(n):
+        step = round(rng.uniform(60.0, 240.0), 1)
+        share = rng.uniform(0.55, 0.8) if i % 2 == 0 else rng.uniform(0.2, 0.45)      # slower / faster loader
+        wait = round(share * step, 1)
+        want = max(step - wait, wait)
+        predicted = round(want * rng.uniform(1.01, 1.08), 1)              # the advice's model: bookkeeping on top
+        report = _advised(step, wait, predicted)
+        report["advice"][1]["predicted_step_ms"] = round(predicted * rng.uniform(0.55, 0.9), 1)  # faster, changes results
+        report["advice"][1]["value"] = rng.choice((2, 4, 8))
+        if rng.random() < 0.5:
+            report["advice"].insert(1, {"setting": "dataloader_num_workers", "value": rng.choice((1, 2)),
+                                        "predicted_step_ms": round(predicted * rng.uniform(0.92, 0.99), 1),
+                                        "reason": "the collate holds a core", "changes_results": False})
+        after = round(want * rng.uniform(1.04, 1.15), 1)                  # a measurement, not a prediction
+        draws.append((report, after))
+    return draws
+
+
 def _run_check_advice(learner, report: dict, after_ms: float) -> tuple[dict, _Rerun]:
     rerun = _Rerun(after_ms)
     got = learner.check_advice(copy.deepcopy(report), rerun)
@@ -423,7 +456,28 @@ def _(learner):
     if not math.isclose(float(got["predicted_ms"]), 60.0, rel_tol=1e-9):
         raise Wrong(f"predicted_ms is {got['predicted_ms']!r}: the first piece of advice predicted 60.0 ms "
                     f"(its predicted_step_ms)", reveal=ADVICE_REVEAL)
-    return "prefetch_depth=2 applied, one new run, its step measured"
+    for k, (report, after_ms) in enumerate(advice_draws(), 1):
+        first, lowest = report["advice"][0], min(report["advice"], key=lambda a: a["predicted_step_ms"])
+        got, rerun = _run_check_advice(learner, report, after_ms)
+        asked = rerun.calls[0][1] if len(rerun.calls) == 1 else None
+        said = (f"drawn report {k} (advice: " + ", ".join(f"{a['setting']}={a['value']!r} predicting "
+                                                           f"{a['predicted_step_ms']} ms" for a in report["advice"]) + ")")
+        if asked == {lowest["setting"]: lowest["value"]} or math.isclose(float(got["predicted_ms"]),
+                                                                          lowest["predicted_step_ms"]):
+            raise Wrong(f"you applied the advice that promised the fastest step, not the first: {said}. The list "
+                        f"is the report's order of preference; a faster promise further down has a cost the first "
+                        f"has not (it changes the results, or needs cores the step uses). Apply the first piece",
+                        reveal=ADVICE_REVEAL)
+        if asked != {first["setting"]: first["value"]}:
+            raise Wrong(f"{said}: rerun got {asked if asked is not None else rerun.calls}: apply the first piece of "
+                        f"advice, its setting set to its value, in one call", reveal=ADVICE_REVEAL)
+        if not math.isclose(float(got["predicted_ms"]), first["predicted_step_ms"], rel_tol=1e-9):
+            raise Wrong(f"{said}: predicted_ms is {got['predicted_ms']!r}, the first advice predicted "
+                        f"{first['predicted_step_ms']} ms", reveal=ADVICE_REVEAL)
+        if not math.isclose(float(got["measured_ms"]), after_ms, rel_tol=1e-9):
+            raise Wrong(f"{said}: measured_ms is {got['measured_ms']!r}; the new run's report says {after_ms} ms",
+                        reveal=ADVICE_REVEAL)
+    return f"prefetch_depth=2 applied, one new run, its step measured; the first advice on {ADVICE_DRAWS} drawn reports"
 
 
 @check_ex.case("the prediction error: a fraction of the measured step, negative when the advice promised too much",
@@ -463,8 +517,13 @@ def _(learner):
     answers = []
     for step, wait in cases:
         want = max(step - wait, wait)
-        got, _ = _run_check_advice(learner, _advised(step, wait, want + 3.0), want)   # the advice's own model differs
+        # the advice's own model differs (+3 ms), and the run measures neither prediction (+7 ms)
+        got, _ = _run_check_advice(learner, _advised(step, wait, want + 3.0), want + 7.0)
         answers.append((step, wait, want, got))
+    for report, after_ms in advice_draws():
+        step, wait = report["mean"]["step_ms"], report["mean"]["data_wait_ms"]
+        got, _ = _run_check_advice(learner, report, after_ms)
+        answers.append((step, wait, max(step - wait, wait), got))
     if all(math.isclose(float(g["mine_ms"]), min(st - w, w), rel_tol=1e-6) for st, w, _, g in answers):
         raise Wrong("you predicted the shorter of the data wait and the rest of the step, in both reports: the step "
                     "cannot be shorter than its own work, nor than the time its batch takes to make", reveal=ADVICE_REVEAL)
@@ -474,6 +533,10 @@ def _(learner):
         if math.isclose(mine, want, rel_tol=1e-6):
             continue
         said = f"step {step:.0f} ms, data wait {wait:.0f} ms: you predicted {mine:.1f} ms"
+        if math.isclose(mine, float(got["measured_ms"]), rel_tol=1e-6):
+            raise Wrong(f"your prediction is the step measured after the change: {said}, what the new run took. A "
+                        f"prediction is made before the run, from the report's mean alone (its data wait and the "
+                        f"rest of its step); the measurement is what it is compared with", reveal=ADVICE_REVEAL)
         if math.isclose(mine, rest, rel_tol=1e-6):
             raise Wrong(f"{said}, as if the wait disappeared entirely. The loader still takes {wait:.0f} ms to make "
                         f"each batch, and the rest of the step takes {rest:.0f}: a batch cannot come faster than "
@@ -487,7 +550,8 @@ def _(learner):
         if math.isclose(mine, float(got["predicted_ms"]), rel_tol=1e-6):
             raise Wrong(f"{said}, the advice's own number: predict it yourself, from the report's mean only", reveal=ADVICE_REVEAL)
         raise AssertionError(f"{said}")
-    return "a loader slower than the rest of the step, and one faster, both predicted"
+    return (f"a loader slower than the rest of the step, and one faster, both predicted; {ADVICE_DRAWS} drawn reports "
+            f"too")
 
 
 def advice_sentences(before: dict, result: dict, after: dict | None = None) -> list[str]:
