@@ -38,6 +38,32 @@ import torch
 STAGING_DIR = ".hfstream-saving"   # under the run's output_dir: no ``checkpoint-N`` name until complete
 
 
+def snapshot_bytes(model: torch.nn.Module, optimizer, optimizer_scale: int = 1) -> int:
+    """Host bytes a snapshot takes: the model's state and the optimizer's (``optimizer_scale`` times this
+    rank's, where each rank holds 1/N of it and the checkpoint holds all of it)."""
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        s = t.untyped_storage()
+        if (t.device, s.data_ptr()) not in seen:
+            seen.add((t.device, s.data_ptr()))
+            total += s.nbytes()
+    state = getattr(getattr(optimizer, "optimizer", optimizer), "state", {}) if optimizer is not None else {}
+    moments = sum(v.nbytes for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
+    return total + optimizer_scale * moments
+
+
+def available_host_bytes() -> int | None:
+    """The host memory the kernel says is available (MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 class Write(NamedTuple):
     """One deferred file write: the original function, the path, and its arguments with host copies."""
 

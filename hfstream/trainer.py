@@ -533,6 +533,7 @@ class StreamTrainerMixin:
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING_DIR, folder), os.path.join(run_dir, folder)
         t0 = time.perf_counter()
+        self._make_room_for_snapshot(staging)
         on_device = self.args.device.type != "cpu"
         self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
         try:
@@ -560,6 +561,34 @@ class StreamTrainerMixin:
         self.save_times["exposed_s"] += time.perf_counter() - t0
         # The Trainer calls on_save next: the callbacks run at the commit, when the files are there.
         self.callback_handler.on_save = self._on_save_at_commit
+
+    def _make_room_for_snapshot(self, staging: str) -> None:
+        """A crashed run's leftover staging folder goes; a snapshot beyond the host's memory is refused.
+
+        Agreed by every rank (one small all-reduce), which also orders the saving rank's clean-up
+        before any rank's writer starts.
+        """
+        from .checkpoint_async import available_host_bytes, snapshot_bytes
+
+        if self.args.should_save and os.path.isdir(staging):
+            import shutil
+
+            shutil.rmtree(staging)
+        scale = self.grad_sync.world_size if self._zero1_optimizer else 1
+        needed, available = snapshot_bytes(self.model, self.optimizer, scale), available_host_bytes()
+        short = available is not None and needed > available
+        short_anywhere = short
+        if self.args.world_size > 1:
+            import torch.distributed as dist
+
+            from .gradsync.agreement import any_rank
+
+            (short_anywhere,) = any_rank([short], dist.group.WORLD, self.args.device)
+        if short_anywhere:
+            where = (f"needs {needed} bytes ({needed / 2**30:.2f} GiB) of host memory, {available} available here"
+                     if short else "does not fit another rank's host memory (its error gives the bytes)")
+            raise ValueError(f"save_async=True: the snapshot of checkpoint-{self.state.global_step} {where}. Set "
+                             f"save_async=False (the blocking save needs no copy), or free host memory")
 
     def _on_save_at_commit(self, args, state, control, **kwargs):
         del self.callback_handler.on_save   # one save's call only: the handler's own method again

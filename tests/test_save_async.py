@@ -260,3 +260,23 @@ def test_the_reporters_get_the_exposed_save_time_and_the_state_stays_stock(tmp_p
         assert shown and all(ms > 0 for ms in shown), save_async
         assert trainer.save_times["saves"] == 2 and trainer.save_times["exposed_s"] > 0
         assert not any("stream/save_exposed_ms" in h for h in trainer.state.log_history)
+
+
+def test_a_snapshot_beyond_the_host_memory_is_refused_at_the_first_save_with_the_bytes(tmp_path, monkeypatch):
+    import hfstream.checkpoint_async as checkpoint_async
+
+    monkeypatch.setattr(checkpoint_async, "available_host_bytes", lambda: 1000)
+    trainer = _trainer(tmp_path, max_steps=4, save_async=True)
+    with pytest.raises(ValueError, match=r"save_async=True: the snapshot of checkpoint-2 needs \d+ bytes .*1000 "
+                                         r"available.*save_async=False"):
+        trainer.train()
+    assert trainer.state.global_step == 2 and get_last_checkpoint(str(tmp_path)) is None
+
+
+def test_a_crashed_runs_leftover_staging_folder_is_not_mixed_into_the_new_checkpoint(tmp_path):
+    stale = tmp_path / ".hfstream-saving" / "checkpoint-2"
+    stale.mkdir(parents=True)
+    (stale / "rng_state_3.pth").write_bytes(b"from a 4-rank run that died")
+    _trainer(tmp_path, max_steps=2, save_async=True).train()
+    assert "rng_state_3.pth" not in os.listdir(tmp_path / "checkpoint-2")
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]

@@ -1,0 +1,60 @@
+"""Exposed save time, blocking vs save_async=True, one process on CPU (docs/benchmarks.md's save rows).
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m slow tests/test_save_async_bench.py -s
+
+A GPT-2 from config (HFSTREAM_SAVE_BENCH_EMBD/LAYERS set its size), AdamW, a save every 4 steps;
+prints the training thread's time in saves and the mean step time with and without a write behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback
+
+from hfstream import StreamTrainer, StreamTrainingArguments
+from tiny import lm_dataset, train_args
+
+pytestmark = pytest.mark.slow
+
+
+class StepTimes(TrainerCallback):
+    def __init__(self):
+        self.t, self.times = None, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append((state.global_step, time.perf_counter() - self.t))
+
+
+def _run(out, save_async):
+    embd, layers = int(os.environ.get("HFSTREAM_SAVE_BENCH_EMBD", 512)), int(os.environ.get("HFSTREAM_SAVE_BENCH_LAYERS", 6))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=64, n_embd=embd, n_layer=layers, n_head=8))
+    trainer = StreamTrainer(model=model, train_dataset=lm_dataset(n=256, seq=32, vocab=8192),
+                            args=train_args(StreamTrainingArguments, out, max_steps=12, save_strategy="steps",
+                                            save_steps=4, save_async=save_async, prefetch_depth=0,
+                                            per_device_train_batch_size=2, logging_steps=100, optim="adamw_torch"))
+    steps = StepTimes()
+    trainer.add_callback(steps)
+    trainer.train()
+    size = sum(os.path.getsize(os.path.join(out, "checkpoint-4", f)) for f in os.listdir(os.path.join(out, "checkpoint-4")))
+    params = sum(p.numel() for p in model.parameters())
+    return trainer.save_times, steps.times, size, params
+
+
+def test_exposed_save_time_blocking_vs_async(tmp_path):
+    for save_async in (False, True):
+        times, steps, size, params = _run(str(tmp_path / str(save_async)), save_async)
+        after_save = [s for n, s in steps if n % 4 == 1 and n > 1]   # the step a write runs behind
+        others = [s for n, s in steps if n % 4 not in (0, 1)]
+        print(f"\nsave_async={save_async}: {params / 1e6:.1f}M parameters, checkpoint {size / 1e9:.3f} GB, "
+              f"{times['saves']} saves: exposed {times['exposed_s'] / times['saves']:.3f} s per save "
+              f"(snapshot {times['snapshot_s']:.3f}, wait {times['wait_s']:.3f}, rename {times['commit_s']:.3f} s in all; "
+              f"writer {times['write_s']:.3f} s); step after a save {1000 * sum(after_save) / len(after_save):.0f} ms, "
+              f"other steps {1000 * sum(others) / len(others):.0f} ms")
