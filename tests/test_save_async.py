@@ -280,3 +280,52 @@ def test_a_crashed_runs_leftover_staging_folder_is_not_mixed_into_the_new_checkp
     _trainer(tmp_path, max_steps=2, save_async=True).train()
     assert "rng_state_3.pth" not in os.listdir(tmp_path / "checkpoint-2")
     assert sorted(os.listdir(tmp_path)) == ["checkpoint-2"]
+
+
+_KILLED_MID_SAVE = """
+import sys, threading, time
+sys.path.insert(0, {tests!r})
+import transformers.modeling_utils
+from hfstream import StreamTrainer, StreamTrainingArguments
+from tiny import lm_dataset, tiny_causal_lm, train_args
+
+real = transformers.modeling_utils.safe_save_file
+def slow(tensors, filename, *args, **kwargs):
+    if threading.current_thread() is not threading.main_thread() and "checkpoint-4" in filename:
+        with open(filename, "wb") as f:
+            f.write(b"half")
+        print("WRITING", flush=True)
+        time.sleep(600)                     # killed here
+    return real(tensors, filename, *args, **kwargs)
+transformers.modeling_utils.safe_save_file = slow
+StreamTrainer(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(),
+              args=train_args(StreamTrainingArguments, {out!r}, max_steps=6, save_strategy="steps", save_steps=2,
+                              prefetch_depth=0, grad_sync="native", save_async=True)).train()
+"""
+
+
+def test_a_run_killed_mid_save_leaves_the_previous_checkpoint_last_and_the_stock_trainer_resumes_it(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    script = _KILLED_MID_SAVE.format(tests=os.path.dirname(__file__), out=str(out))
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        for line in proc.stdout:
+            if line.startswith("WRITING"):
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(60)
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+    from hfstream.checkpoint import check_checkpoint
+
+    check_checkpoint(out / "checkpoint-2")
+    resumed = Trainer(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(),
+                      args=train_args(TrainingArguments, tmp_path / "resumed", max_steps=4, save_strategy="no"))
+    resumed.train(resume_from_checkpoint=get_last_checkpoint(str(out)))
+    assert resumed.state.global_step == 4
