@@ -329,3 +329,10 @@ def test_a_run_killed_mid_save_leaves_the_previous_checkpoint_last_and_the_stock
                       args=train_args(TrainingArguments, tmp_path / "resumed", max_steps=4, save_strategy="no"))
     resumed.train(resume_from_checkpoint=get_last_checkpoint(str(out)))
     assert resumed.state.global_step == 4
+
+
+def test_save_only_model_writes_the_stock_files_only(tmp_path):
+    for save_async in (False, True):
+        _trainer(tmp_path / str(save_async), max_steps=2, save_async=save_async, save_only_model=True).train()
+    _same_files(tmp_path / "False" / "checkpoint-2", tmp_path / "True" / "checkpoint-2")
+    assert "optimizer.pt" not in os.listdir(tmp_path / "True" / "checkpoint-2")
