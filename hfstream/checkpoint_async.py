@@ -16,10 +16,17 @@ by a background thread while the next steps run, then a rename that makes them `
                   rotates. A crash before that leaves no ``checkpoint-N``: `get_last_checkpoint`
                   never sees a partial one.
 
-Why a thread and not a process: the snapshot is already in host memory, and writing it is file
-I/O and safetensors' or torch's own serialisation, which run outside the GIL for the bulk bytes;
-a process (torchtitan's choice) would copy the snapshot once more through shared memory. The
-measurement is in docs/benchmarks.md when it is made.
+Why a thread (for now): the snapshot is already in the process's host memory and the writer calls
+the stock functions on it, with no second copy; a process (torchtitan's choice) would not share
+the GIL with training but would take the snapshot through shared memory. Only the thread is
+measured (docs/benchmarks.md): on 2 busy cores the steps beside a write ran up to 30 % slower, so
+the process writer is the next thing to measure.
+
+On an accelerator the host copies go into pinned memory, queued on the current stream (so the
+optimizer's next step cannot change a tensor before it is copied), and the writer waits on an
+event recorded after them; the pinned buffers are not yet reused across saves, and this path has
+not run on a GPU yet. While a save is in flight every step boundary costs one small all-reduce
+(the ranks' "written" flags), a host read on an accelerator.
 
 Sources: torch.distributed.checkpoint.async_save (snapshot to host, then write in the
 background), Lightning's ``AsyncCheckpointIO``.
