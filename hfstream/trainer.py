@@ -610,11 +610,11 @@ class StreamTrainerMixin:
             self.save_times["exposed_s"] += waited
         t0 = time.perf_counter()
         pending, failed = save.done is False, save.error is not None
+        import torch.distributed as dist
+
+        from .gradsync.agreement import any_rank
+
         if self.args.world_size > 1:   # every rank here, in step order: one small all-reduce
-            import torch.distributed as dist
-
-            from .gradsync.agreement import any_rank
-
             pending, failed = any_rank([pending, failed], dist.group.WORLD, self.args.device)
         if failed:
             self._save_in_flight = None
@@ -624,12 +624,24 @@ class StreamTrainerMixin:
         if pending:
             return
         self._save_in_flight = None
+        renamed = None   # why the rename failed, on the saving rank
         if self.args.should_save:
             from transformers.trainer import rotate_checkpoints
 
-            save.commit()
-            for kwargs in save.rotations:
-                rotate_checkpoints(**kwargs)
+            try:
+                save.commit()
+            except OSError as exc:
+                renamed = f"{type(exc).__name__}: {exc}"
+            else:
+                for kwargs in save.rotations:
+                    rotate_checkpoints(**kwargs)
+        failed = renamed is not None
+        if self.args.world_size > 1:   # the others must not go on into a collective the saving rank never joins
+            (failed,) = any_rank([failed], dist.group.WORLD, self.args.device)
+        if failed:
+            raise RuntimeError(f"save_async: renaming {save.staging_dir!r} to {save.final_dir!r} failed "
+                               f"({renamed or 'on the saving rank; its error says why'}); its files are complete "
+                               f"there. Fix output_dir's permissions, or set save_async=False")
         self.save_times["write_s"] += save.write_s
         # The callbacks the Trainer's on_save call would have run (it was deferred to here); should_save
         # is left alone: it may be this step's own save.

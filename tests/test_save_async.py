@@ -336,3 +336,16 @@ def test_save_only_model_writes_the_stock_files_only(tmp_path):
         _trainer(tmp_path / str(save_async), max_steps=2, save_async=save_async, save_only_model=True).train()
     _same_files(tmp_path / "False" / "checkpoint-2", tmp_path / "True" / "checkpoint-2")
     assert "optimizer.pt" not in os.listdir(tmp_path / "True" / "checkpoint-2")
+
+
+def test_a_failed_rename_fails_the_run_naming_both_folders(tmp_path, monkeypatch):
+    import hfstream.checkpoint_async as checkpoint_async
+
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied", dst)
+
+    monkeypatch.setattr(checkpoint_async.os, "replace", refused)
+    with pytest.raises(RuntimeError, match=r"renaming '.*\.hfstream-saving/checkpoint-2' to '.*checkpoint-2' failed "
+                                           r"\(PermissionError.*save_async=False"):
+        _trainer(tmp_path, max_steps=4, save_async=True).train()
+    assert get_last_checkpoint(str(tmp_path)) is None
