@@ -58,3 +58,52 @@ def test_exposed_save_time_blocking_vs_async(tmp_path):
               f"(snapshot {times['snapshot_s']:.3f}, wait {times['wait_s']:.3f}, rename {times['commit_s']:.3f} s in all; "
               f"writer {times['write_s']:.3f} s); step after a save {1000 * sum(after_save) / len(after_save):.0f} ms, "
               f"other steps {1000 * sum(others) / len(others):.0f} ms")
+
+
+def test_writer_thread_vs_forked_process_beside_training(tmp_path):
+    """The same host snapshot written by a thread or by a forked process (copy-on-write: no second copy)
+    while the training thread runs steps: the write's time and the steps' slowdown."""
+    import multiprocessing
+    import threading
+
+    from safetensors.torch import save_file
+
+    embd = int(os.environ.get("HFSTREAM_SAVE_BENCH_EMBD", 512))
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=64, n_embd=embd, n_layer=6, n_head=8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randint(0, 8192, (2, 32))
+
+    def step():
+        model(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    weights = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    optim = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in s.items()} for k, s in opt.state_dict()["state"].items()}
+
+    def write(i):
+        save_file(weights, str(tmp_path / f"model{i}.safetensors"))
+        torch.save(optim, str(tmp_path / f"optimizer{i}.pt"))
+
+    def steps_while(start, join, n=4):
+        t0 = time.perf_counter()
+        start()
+        for _ in range(n):
+            step()
+        t_steps = time.perf_counter() - t0
+        join()
+        return t_steps / n, time.perf_counter() - t0
+
+    alone, _ = steps_while(lambda: None, lambda: None)
+    t0 = time.perf_counter(); write("blocking"); blocking = time.perf_counter() - t0
+    thread = threading.Thread(target=write, args=("thread",))
+    th_step, th_total = steps_while(thread.start, thread.join)
+    proc = multiprocessing.get_context("fork").Process(target=write, args=("process",))
+    pr_step, pr_total = steps_while(proc.start, proc.join)
+    assert proc.exitcode == 0
+    print(f"\nwrite alone {blocking:.3f} s; step alone {1000 * alone:.0f} ms; "
+          f"thread writer: step {1000 * th_step:.0f} ms (+{100 * (th_step / alone - 1):.0f} %), 4 steps + write "
+          f"{th_total:.3f} s; forked writer: step {1000 * pr_step:.0f} ms (+{100 * (pr_step / alone - 1):.0f} %), "
+          f"4 steps + write {pr_total:.3f} s")
