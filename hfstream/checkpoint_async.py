@@ -16,11 +16,11 @@ by a background thread while the next steps run, then a rename that makes them `
                   rotates. A crash before that leaves no ``checkpoint-N``: `get_last_checkpoint`
                   never sees a partial one.
 
-Why a thread (for now): the snapshot is already in the process's host memory and the writer calls
-the stock functions on it, with no second copy; a process (torchtitan's choice) would not share
-the GIL with training but would take the snapshot through shared memory. Only the thread is
-measured (docs/benchmarks.md): on 2 busy cores the steps beside a write ran up to 30 % slower, so
-the process writer is the next thing to measure.
+Why a thread: the snapshot is already in the process's host memory and the writer calls the stock
+functions on it, with no second copy. A forked process (sharing the snapshot copy-on-write) slowed
+the training steps more than the thread on 2 cores (docs/benchmarks.md): the fork and the pages the
+optimizer writes afterwards cost more than the GIL the thread shares. A spawned process fed through
+shared memory (torchtitan's choice), on a machine with free cores, is not measured.
 
 On an accelerator the host copies go into pinned memory, queued on the current stream (so the
 optimizer's next step cannot change a tensor before it is copied), and the writer waits on an
