@@ -349,3 +349,27 @@ def test_a_failed_rename_fails_the_run_naming_both_folders(tmp_path, monkeypatch
                                            r"\(PermissionError.*save_async=False"):
         _trainer(tmp_path, max_steps=4, save_async=True).train()
     assert get_last_checkpoint(str(tmp_path)) is None
+
+
+def test_waiting_for_a_frozen_writer_is_a_phase_the_watchdog_names(tmp_path, monkeypatch):
+    # The watchdog runs on several processes only; its phases are recorded where the trainer tells it
+    # (as in test_watchdog.py). A writer that never ends would be reported, then the process ended.
+    import time as _time
+
+    import transformers.modeling_utils
+
+    real = transformers.modeling_utils.safe_save_file
+
+    def slow(*args, **kwargs):
+        if threading.current_thread() is not threading.main_thread():
+            _time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", slow)
+    trainer = _trainer(tmp_path, max_steps=3, save_async=True, save_steps=1)
+    phases = []
+    trainer._watch = phases.append
+    trainer._watchdog = type("Watchdog", (), {"close": lambda self: None})()
+    trainer.train()
+    waits = [p for p in phases if p.startswith("waiting for the save of")]
+    assert waits and "checkpoint-1 to finish writing (save_async)" in waits[0], phases
