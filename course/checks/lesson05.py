@@ -295,8 +295,10 @@ ASYNC_REVEAL = "self.works.append((param, dist.all_reduce(param.grad, async_op=T
 
 
 def _overlap_facts(learner: Learner) -> dict:
-    return cached("05.overlap_hook", learner,
-                  lambda path: run_ranks(_overlap_rank, path, hint=HOOK_HINT)[0])
+    def every_rank(path):
+        ranks = run_ranks(_overlap_rank, path, hint=HOOK_HINT)
+        return dict(ranks[0], by_rank=ranks)        # rank 0's launches; every rank's results (the parity case)
+    return cached("05.overlap_hook", learner, every_rank)
 
 
 OVERLAP_LAUNCH = "one asynchronous all-reduce per parameter, launched from its hook during backward"
@@ -338,16 +340,26 @@ def _(learner):
         if st["in_backward"] != n:
             raise Wrong(f"step {i}: only {st['in_backward']} of {n} reductions started during backward: every "
                         f"parameter needs its own hook")
-    return f"{n} reductions per step, all launched during backward"
+    _check_drawn_overlap_launches(learner)
+    return (f"{n} reductions per step, all launched during backward; {OVERLAP_DRAWS} drawn models with frozen "
+            f"parameters on 2 to 4 ranks: none of them hooked")
 
 
 @overlap_hook.case("after finish() every .grad is the mean over 2 gloo ranks, two steps in a row",
                    hint=FINISH_HINT, reveal=FINISH_REVEAL, after=OVERLAP_LAUNCH, timeout=150)
 def _(learner):
-    facts = _overlap_facts(learner)
+    for rank, facts in enumerate(_overlap_facts(learner)["by_rank"]):
+        _overlap_parity(rank, facts)
+    _check_drawn_overlap_means(learner)
+    return f"matches the serial all-reduce on both ranks, and on every rank of {OVERLAP_DRAWS} drawn models"
+
+
+def _overlap_parity(rank: int, facts: dict) -> None:
+    """The parity case on one gloo rank's steps (rank 0 named as before; another rank by number)."""
+    at = "" if rank == 0 else f"rank {rank}, "
     for i, st in enumerate(facts["steps"], 1):
         if "error" in st:
-            raise Wrong(f"step {i}: your code raised {st['error']}, so there are no gradients to compare. "
+            raise Wrong(f"{at}step {i}: your code raised {st['error']}, so there are no gradients to compare. "
                         f"Hint: {FINISH_HINT}")
         if st.get("left_over"):
             raise Wrong(f"step {i}: finish() returned with {st['left_over']} Works still in self.works, so the next "
@@ -371,9 +383,76 @@ def _(learner):
             raise Wrong("the gradients were divided by the world size twice (once in the hook, once in finish()?)")
         if r == "missing":
             raise Wrong(f"step {i}: some .grad is None after finish(): the hook must not replace or drop param.grad")
-        raise AssertionError(f"step {i}: the gradients after finish() differ from the mean over ranks "
+        raise AssertionError(f"{at}step {i}: the gradients after finish() differ from the mean over ranks "
                              f"(did you divide before the reduction finished? wait() first)")
-    return "matches the serial all-reduce on both ranks"
+
+
+
+# Drawn cases (course/checks/drawn.py): frozen parameters in every case, gradients out of registration
+# order, 2 to 4 thread ranks, every rank read. The property: a hook per parameter that requires grad and
+# none for a frozen one; each hook launches its own parameter's reduction before it returns; after
+# finish() every rank holds the mean, and a frozen parameter's .grad stays None.
+OVERLAP_DRAWS = 4
+
+
+def _drawn_overlap(learner) -> tuple:
+    from course.checks.drawn import draw_cases, run_drawn_step
+
+    def compute():
+        return [(d, run_drawn_step(d, lambda model, d: learner.OverlapSync(model)))
+                for d in draw_cases(5, OVERLAP_DRAWS, frozen_every=1, skip=False)]
+    return learner.once("05.overlap_hook-drawn", compute)
+
+
+def rank_error(draw, steps, what: str) -> str | None:
+    """The first rank that raised, where, and the line of the learner's code; None when none raised."""
+    from course.checks.lesson10.threads import _your_line
+
+    for rank, st in enumerate(steps):
+        if st.error is not None and not isinstance(st.error, TimeoutError) and "waited" not in str(st.error):
+            text = str(st.error).strip().splitlines()
+            return (f"rank {rank} raised {type(st.error).__name__} in {what if st.where == 'construct' else st.where}: "
+                    f"{text[0] if text else ''}{_your_line(st.error)}")
+    for rank, st in enumerate(steps):
+        if st.error is not None:
+            return f"rank {rank}: {str(st.error).strip().splitlines()[0]}"
+    return None
+
+
+def _check_drawn_overlap_launches(learner) -> None:
+    """The end of OVERLAP_LAUNCH: on the drawn models, no hook or all-reduce for a frozen parameter, and each
+    hook launches its own parameter's reduction before it returns, on every rank."""
+    for draw, steps in _drawn_overlap(learner):
+        crashed = rank_error(draw, steps, "OverlapSync(model)")
+        if crashed and any(st.where == "construct" for st in steps) and draw.frozen:
+            raise Wrong(f"a frozen parameter got a hook: {crashed}, on a model whose {', '.join(draw.frozen)} has "
+                        f"requires_grad=False ({draw.describe()}). A frozen parameter gets no gradient: hook only "
+                        f"the parameters that require grad, and reduce nothing for the others", reveal=HOOK_REVEAL)
+        if crashed:
+            raise Wrong(f"{crashed} ({draw.describe()}). Hint: {HOOK_HINT}")
+        for rank, st in enumerate(steps):
+            if len(st.numels) > len(draw.trainable):
+                raise Wrong(f"a frozen parameter was reduced: rank {rank} launched {len(st.numels)} all-reduces for "
+                            f"{len(draw.trainable)} parameters that require grad ({draw.describe()}). A frozen "
+                            f"parameter has no gradient to average: leave it out", reveal=HOOK_REVEAL)
+            for k, (name, launched) in enumerate(st.launches_after, 1):
+                if launched < k:
+                    raise Wrong(f"rank {rank}: when the hook of {name} returned, {launched} all-reduces had been "
+                                f"launched for the {k} gradients that had arrived ({draw.describe()}): each hook "
+                                f"launches its own parameter's reduction before it returns", reveal=HOOK_REVEAL)
+
+
+def _check_drawn_overlap_means(learner) -> None:
+    """The end of the parity case: on the drawn models, every rank holds the mean, frozen .grad None."""
+    from course.checks.drawn import first_wrong_grad
+
+    for draw, steps in _drawn_overlap(learner):
+        crashed = rank_error(draw, steps, "OverlapSync(model)")
+        if crashed:
+            raise Wrong(f"{crashed} ({draw.describe()}). Hint: {FINISH_HINT}")
+        wrong = first_wrong_grad(draw, steps)
+        if wrong:
+            raise Wrong(f"{wrong} ({draw.describe()}). Hint: {FINISH_HINT}", reveal=FINISH_REVEAL)
 
 
 # =============================================================================================
@@ -507,7 +586,9 @@ def _(learner):
         raise Wrong("everything was launched from finish(), after backward: nothing overlaps. In the hook, launch "
                     "the parameters at the head of self.order as soon as they are ready")
     first = [n for n, _ in seqs[0][0]]
-    return f"order {' > '.join(first)}; {during} launched during backward"
+    _check_drawn_finish_on_time(learner)
+    return (f"order {' > '.join(first)}; {during} launched during backward; every hook on time in {FINISH_DRAWS} "
+            f"drawn models (arrival orders, a rank that skips, 2 to 4 ranks)")
 
 
 def _ordered_rank(rank: int, world_size: int, path: str) -> dict:
@@ -544,8 +625,16 @@ def _ordered_rank(rank: int, world_size: int, path: str) -> dict:
               "that skipped it)", hint=ORDER_HINT, reveal=ORDER_REVEAL, after=ORDER_CASE, timeout=150)
 def _(learner):
     # after=ORDER_CASE: a launch pattern that would hang real ranks is reported above, never run here.
-    facts = cached("05.finish", learner,
-                   lambda path: run_ranks(_ordered_rank, path, hint=ORDER_HINT, timeout=90, pg_timeout_s=20)[0])
+    ranks = cached("05.finish", learner,
+                   lambda path: run_ranks(_ordered_rank, path, hint=ORDER_HINT, timeout=90, pg_timeout_s=20))
+    for rank, facts in enumerate(ranks):                      # rank 1 is the one that skips `expert`
+        _ordered_parity(rank, facts)
+    _check_drawn_finish_means(learner)
+    return f"2 steps, parity with the serial all-reduce on both ranks; the mean on every rank of {FINISH_DRAWS} drawn models"
+
+
+def _ordered_parity(rank: int, facts: dict) -> None:
+    who = f"rank {rank}" + (" (which skipped `expert`)" if rank == 1 else "")
     for i, r in enumerate(facts["results"], 1):
         if r == "mean":
             continue
@@ -555,9 +644,55 @@ def _(learner):
             raise Wrong("the gradients are still each rank's own: wait() for each Work in finish() (and reduce "
                         "param.grad in place: self._launch does)")
         if r == "missing":
-            raise Wrong(f"step {i}: a used parameter has no .grad after finish()")
-        raise AssertionError(f"step {i}: the gradients after finish() differ from the serial mean ({r})")
-    return "2 steps, parity with the serial all-reduce"
+            raise Wrong(f"step {i}, {who}: a used parameter has no .grad after finish()")
+        raise AssertionError(f"step {i}, {who}: the gradients after finish() differ from the serial mean ({r})")
+
+
+
+# Drawn cases (course/checks/drawn.py): gradients that arrive out of the launch order, so that one hook
+# completes several parameters at the head; a rank (drawn) that skips a parameter; frozen parameters in
+# every other case; 2 to 4 thread ranks, every rank read. The property: when a hook returns, every
+# parameter at the head of self.order whose gradient has arrived has been launched; after finish()
+# every rank, the one that skipped included, holds the mean.
+FINISH_DRAWS = 6
+
+
+def _drawn_finish(learner) -> list:
+    from course.checks.drawn import draw_cases, run_drawn_step
+
+    def compute():
+        return [(d, run_drawn_step(d, lambda model, d: learner.OrderedOverlapSync(model)))
+                for d in draw_cases(6, FINISH_DRAWS, frozen_every=2)]
+    return learner.once("05.finish-drawn", compute)
+
+
+def _check_drawn_finish_on_time(learner) -> None:
+    """The end of ORDER_CASE: on the drawn models, no hook returns with a ready head left unlaunched."""
+    from course.checks.drawn import first_late_launch
+
+    for draw, steps in _drawn_finish(learner):
+        crashed = rank_error(draw, steps, "OrderedOverlapSync(model)")
+        if crashed:
+            raise Wrong(f"{crashed} ({draw.describe()}). Hint: {ORDER_HINT}")
+        late = first_late_launch(draw, steps, [[n] for n in draw.trainable[::-1]])
+        if late:
+            raise Wrong(f"a hook launched fewer parameters than it made ready: {late} ({draw.describe()}). When "
+                        f"gradients arrive out of the launch order, one hook can complete several parameters at the "
+                        f"head; the hook goes on launching from the head for as long as the head is ready, or "
+                        f"those reductions wait and overlap less", reveal=ORDER_REVEAL)
+
+
+def _check_drawn_finish_means(learner) -> None:
+    """The end of the gloo case: on the drawn models, every rank (the one that skipped included) holds the mean."""
+    from course.checks.drawn import first_wrong_grad
+
+    for draw, steps in _drawn_finish(learner):
+        crashed = rank_error(draw, steps, "OrderedOverlapSync(model)")
+        if crashed:
+            raise Wrong(f"{crashed} ({draw.describe()}). Hint: {ORDER_HINT}")
+        wrong = first_wrong_grad(draw, steps)
+        if wrong:
+            raise Wrong(f"{wrong} ({draw.describe()}). Hint: {ORDER_HINT}", reveal=ORDER_REVEAL)
 
 
 # =============================================================================================

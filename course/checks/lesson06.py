@@ -291,9 +291,11 @@ def _bucketed_facts(learner) -> dict:
         with_unused = fake is not None and _diagnose_unused(fake) is None
     except Exception:
         with_unused = False
-    facts = cached("06.bucketed_sync", learner,
-                   lambda path: run_ranks(_bucketed_rank, path, with_unused, hint=BUCKET_HINT)[0])
-    return facts
+    def every_rank(path):
+        ranks = run_ranks(_bucketed_rank, path, with_unused, hint=BUCKET_HINT)
+        # rank 0's launches (the same on both ranks); every rank's results for the parity cases
+        return dict(ranks[0], by_rank=ranks)
+    return cached("06.bucketed_sync", learner, every_rank)
 
 
 LAUNCH_CASE = "one asynchronous all-reduce per bucket, launched in plan order, the first during backward"
@@ -337,17 +339,24 @@ def _(learner):
     if first["in_backward"] == 0:
         raise Wrong("you launched every bucket after backward: nothing overlaps. Launch a bucket from the hook "
                     "of its last gradient (when its pending count reaches 0)")
+    _check_drawn_on_time(learner)
     return (f"{len(facts['reverse']['buckets'])} buckets -> {len(first['numels'])} all-reduces, "
-            f"{first['in_backward']} during backward")
+            f"{first['in_backward']} during backward; every bucket on time in {BUCKET_DRAWS} drawn plans")
 
 
 @bucketed.case(PARITY_CASE, hint=UNFLATTEN_HINT, reveal=UNFLATTEN_REVEAL, after=LAUNCH_CASE, timeout=150)
 def _(learner):
-    facts = _bucketed_facts(learner)["plans"]
+    for rank, ranks_facts in enumerate(_bucketed_facts(learner)["by_rank"]):
+        _bucketed_parity(rank, ranks_facts["plans"])
+    return "parity with the serial all-reduce on both ranks"
+
+
+def _bucketed_parity(rank: int, facts: dict) -> None:
+    at = "" if rank == 0 else f"rank {rank}, "
     for label, f in facts.items():
         for i, st in enumerate(f["steps"], 1):
             if "error" in st:
-                raise Wrong(f"your code raised {st['error']}. Hint: {UNFLATTEN_HINT}")
+                raise Wrong(f"{at}your code raised {st['error']}. Hint: {UNFLATTEN_HINT}")
             r = st["result"]
             if r == "mean":
                 continue
@@ -361,9 +370,8 @@ def _(learner):
                 raise Wrong("the gradients were divided by the world size twice")
             if r == "missing":
                 raise Wrong("a .grad is None after finish(): write the mean back into every parameter's .grad")
-            raise AssertionError(f"plan {label}, step {i}: the gradients differ from the mean over ranks (are the "
+            raise AssertionError(f"{at}plan {label}, step {i}: the gradients differ from the mean over ranks (are the "
                                  f"slices copied back to the right parameters, in the order they were packed?)")
-    return "parity with the serial all-reduce"
 
 
 # A parameter without .grad: lesson 05's `Branchy`, whose `expert` rank 1 skips and whose `spare`
@@ -483,16 +491,71 @@ def _(learner):
     problem = _diagnose_unused(_unused_fake(learner))
     if problem is not None:
         raise problem                 # found in this process: the real ranks are not started
-    unused = _bucketed_facts(learner)["unused"]
-    assert unused is not None, "the real 2-rank run did not include the unused-parameter model"
-    for i, r in enumerate(unused["results"], 1):
-        if r == "mean":
-            continue
-        if r == "missing":
-            raise Wrong(f"step {i}: a parameter has no .grad after finish() on a real rank", reveal=UNPACK_REVEAL)
-        raise AssertionError(f"step {i}: with `expert` unused on rank 1, the gradients after finish() differ from "
-                             f"the serial mean ({r})")
-    return "expert unused on rank 1, spare on both: 2 steps, parity with the serial all-reduce"
+    _check_drawn_means(learner)       # thread ranks, every rank read: before the real ranks start too
+    for rank, facts in enumerate(_bucketed_facts(learner)["by_rank"]):      # rank 1 is the one that skips
+        unused = facts["unused"]
+        assert unused is not None, "the real 2-rank run did not include the unused-parameter model"
+        who = f"rank {rank}" + (" (which skipped `expert`)" if rank == 1 else "")
+        for i, r in enumerate(unused["results"], 1):
+            if r == "mean":
+                continue
+            if r == "missing":
+                raise Wrong(f"step {i}, {who}: a parameter has no .grad after finish()", reveal=UNPACK_REVEAL)
+            raise AssertionError(f"step {i}, {who}: with `expert` unused on rank 1, the gradients after finish() "
+                                 f"differ from the serial mean ({r})")
+    return (f"expert unused on rank 1, spare on both: 2 steps, parity with the serial all-reduce; the mean on every "
+            f"rank of {BUCKET_DRAWS} drawn plans (2 to 4 ranks, a drawn rank skipping)")
+
+
+# Drawn cases (course/checks/drawn.py): plans of 2 or 3 buckets, gradients that arrive out of the plan's
+# order, a rank (drawn) that skips a parameter, 2 to 4 thread ranks, every rank read. The properties:
+# each bucket leaves with the hook that completes it (and every bucket before it in the plan), not a
+# hook later; after finish() every rank holds the mean, the rank that skipped a parameter included.
+BUCKET_DRAWS = 6
+
+
+def _drawn_buckets(learner) -> list:
+    from course.checks.drawn import draw_cases, run_drawn_step
+
+    def compute():
+        return [(d, run_drawn_step(d, lambda model, d: learner.BucketedSync(model, d.buckets)))
+                for d in draw_cases(7, BUCKET_DRAWS, frozen_every=2, buckets=True)]
+    return learner.once("06.bucketed_sync-drawn", compute)
+
+
+def _drawn_crash(learner) -> None:
+    from course.checks.lesson05 import rank_error
+
+    for draw, steps in _drawn_buckets(learner):
+        crashed = rank_error(draw, steps, "BucketedSync(model, buckets)")
+        if crashed:
+            raise Wrong(f"{crashed} ({draw.describe()}). Hint: {BUCKET_HINT}")
+
+
+def _check_drawn_on_time(learner) -> None:
+    """The end of LAUNCH_CASE: on the drawn plans, every bucket leaves with the hook that completes it."""
+    from course.checks.drawn import first_late_launch
+
+    _drawn_crash(learner)
+    for draw, steps in _drawn_buckets(learner):
+        late = first_late_launch(draw, steps, draw.buckets)
+        if late:
+            raise Wrong(f"a bucket left a hook late: {late} ({draw.describe()}). A bucket leaves with the hook that "
+                        f"completes it: count the gradient down first, then launch every complete bucket at the head "
+                        f"of the plan, before the hook returns", reveal=BUCKET_REVEAL)
+
+
+def _check_drawn_means(learner) -> None:
+    """The end of UNUSED_CASE: on the drawn plans, every rank holds the mean, the one that skipped included."""
+    from course.checks.drawn import first_wrong_grad
+
+    _drawn_crash(learner)
+    for draw, steps in _drawn_buckets(learner):
+        wrong = first_wrong_grad(draw, steps)
+        if wrong:
+            raise Wrong(f"{wrong} ({draw.describe()}). A parameter a rank did not use adds zeros to its bucket's "
+                        f"sum and receives the mean like every other parameter: write its slice of the reduced "
+                        f"flat tensor back into its .grad on every rank", reveal=UNPACK_REVEAL)
 
 
 # =============================================================================================

@@ -1,0 +1,267 @@
+"""Drawn cases for the gradient-sync exercises of lessons 05 and 06: a seeded generator of small
+models (frozen parameters, a rank that skips a parameter, gradients that arrive out of launch order,
+2 to 4 ranks), and one step of a learner's sync run on thread ranks that reads every rank.
+
+The properties the checks state on these cases:
+
+- **launched on time**: after the hook of each parameter, a rank has launched exactly the units (a
+  parameter in 05, a bucket in 06) at the head of the launch order whose gradients have all arrived
+  on that rank, no fewer (a launch left for a later hook) and no more;
+- **the mean on every rank**: after ``finish()``, every parameter that requires grad holds the mean
+  over the ranks of their gradients, zeros for a rank that did not use it, on *every* rank, the
+  rank that skipped included; a frozen parameter is never reduced and keeps ``.grad is None``.
+
+A gradient arrives when backward finishes it: `Chain` uses its parameters one after the other in a
+drawn order, so they arrive in the reverse of that order, which is not the reverse registration
+order a sync launches in. The ranks are threads of this process with lesson 10's logging stand-in
+for torch.distributed (`course.checks.lesson10.threads.ThreadWorld`): a step takes milliseconds,
+and a pattern that would hang real ranks fails after a few seconds.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+RUNAWAY_CALLS = 10_000
+
+
+@dataclass
+class Draw:
+    """One drawn case.
+
+    Args:
+        index: its number in the draw (1-based), for messages.
+        world_size: ranks (2, 3 or 4).
+        sizes: elements of each parameter ``p0, p1, ...`` in registration order (all different).
+        use_order: the order forward uses them in; gradients arrive in its reverse.
+        frozen: parameters with requires_grad=False.
+        skipped: ``{rank: [parameters that rank does not use this step]}``.
+        buckets: a plan (lists of names, launch order) over the trainable parameters, for lesson 06.
+    """
+
+    index: int
+    world_size: int
+    sizes: list[int]
+    use_order: list[int]
+    frozen: list[str] = field(default_factory=list)
+    skipped: dict[int, list[str]] = field(default_factory=dict)
+    buckets: list[list[str]] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [f"p{i}" for i in range(len(self.sizes))]
+
+    @property
+    def trainable(self) -> list[str]:
+        return [n for n in self.names if n not in self.frozen]
+
+    def arrivals(self, rank: int) -> list[str]:
+        """The order this rank's gradients become final in."""
+        return [f"p{i}" for i in reversed(self.use_order)
+                if f"p{i}" not in self.frozen and f"p{i}" not in self.skipped.get(rank, [])]
+
+    def describe(self) -> str:
+        who = "; ".join(f"rank {r} skips {', '.join(ns)}" for r, ns in sorted(self.skipped.items())) or "every rank uses all"
+        frozen = f"; frozen: {', '.join(self.frozen)}" if self.frozen else ""
+        plan = f"; buckets {self.buckets}" if self.buckets else ""
+        return (f"drawn case {self.index}: {self.world_size} ranks, parameters {', '.join(self.names)} used in the order "
+                f"{', '.join(f'p{i}' for i in self.use_order)}{frozen}; {who}{plan}")
+
+
+class Chain(nn.Module):
+    """Parameters ``p0 ... pK-1`` of different sizes, used one after the other in ``use_order``: the
+    gradient of a parameter used later is final earlier."""
+
+    def __init__(self, sizes: list[int], frozen=()):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        for i, size in enumerate(sizes):
+            self.register_parameter(f"p{i}", nn.Parameter(torch.randn(size, generator=g) * 0.3,
+                                                          requires_grad=f"p{i}" not in frozen))
+            self.register_buffer(f"w{i}", torch.randn(size, generator=g))
+
+    def forward(self, x: torch.Tensor, use_order, skipped=()) -> torch.Tensor:
+        h = x
+        for i in use_order:
+            if f"p{i}" in skipped:
+                continue
+            p, w = getattr(self, f"p{i}"), getattr(self, f"w{i}")
+            h = torch.tanh(h * (1 + 0.2 * p.mean()) + 0.3 * (p * w).sum())
+        return h.square().mean()
+
+
+def draw_cases(seed: int, count: int, *, frozen_every: int = 0, skip: bool = True, buckets: bool = False) -> list[Draw]:
+    """``count`` cases from ``random.Random(seed)``: world sizes 2, 3, 4 in turn; 4 to 6 parameters; a use
+    order that makes some hook complete more than one unit at the head of the launch order; one rank
+    (drawn, not always the last) that skips a parameter, with ``skip``; a frozen parameter in every
+    ``frozen_every``-th case (1: all, 2: every other, 0: none); with ``buckets``, a plan of 2 or 3 buckets in reverse registration order."""
+    rng = random.Random(seed)
+    out = []
+    for index in range(1, count + 1):
+        k = rng.randint(4, 6)
+        sizes = rng.sample(range(2, 40), k)
+        names = [f"p{i}" for i in range(k)]
+        froze = [rng.choice(names)] if frozen_every and (index - 1) % frozen_every == 0 else []
+        trainable = [n for n in names if n not in froze]
+        order = trainable[::-1]                        # the launch order of lessons 05 and 06
+        while True:
+            use = rng.sample(range(k), k)
+            arrive = [f"p{i}" for i in reversed(use) if f"p{i}" not in froze]
+            # some parameter arrives before the one ahead of it in the launch order: that one's hook
+            # then completes two at once
+            if any(order.index(a) > order.index(b) for a, b in zip(arrive, arrive[1:])):
+                break
+        world = (2, 3, 4)[(index - 1) % 3]
+        skipper = rng.randrange(world)
+        skipped = {skipper: [rng.choice(trainable)]} if skip else {}
+        plan = []
+        if buckets:
+            cuts = sorted(rng.sample(range(1, len(order)), rng.randint(1, 2)))
+            plan = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(order)])]
+        out.append(Draw(index, world, sizes, use, froze, skipped, plan))
+    return out
+
+
+@dataclass
+class RankStep:
+    """What one rank did in one drawn step."""
+
+    launches_after: list[tuple[str, int]]     # (parameter whose hook just ran, all-reduces launched so far)
+    numels: list[int]                          # every all-reduce's size, in launch order
+    grads: dict[str, torch.Tensor | None]      # .grad after finish()
+    local: dict[str, torch.Tensor]             # this rank's own gradient (zeros where it has none)
+    error: BaseException | None = None
+    where: str = ""                            # "construct", "backward" or "finish"
+
+
+def run_drawn_step(draw: Draw, make_sync, timeout_s: float = 20.0) -> list[RankStep]:
+    """One step of ``make_sync(model)`` on ``draw.world_size`` thread ranks: every rank's launches
+    after every hook, and its gradients after ``finish()``."""
+    from course.checks.lesson10.threads import ThreadWorld
+
+    world = ThreadWorld(draw.world_size, timeout_s=8.0)
+    steps: list[RankStep | None] = [None] * draw.world_size
+    calls: dict[int, list[int]] = {r: [] for r in range(draw.world_size)}
+
+    def body(rank: int) -> None:
+        world.local.rank = rank
+        skipped = draw.skipped.get(rank, [])
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * draw.index + rank))
+        ref = Chain(draw.sizes, draw.frozen)
+        ref(x, draw.use_order, skipped).backward()
+        local = {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                 for n, p in ref.named_parameters() if p.requires_grad}
+        model = Chain(draw.sizes, draw.frozen)
+        st = RankStep([], calls[rank], {}, local)
+        steps[rank] = st
+        where = "construct"
+        try:
+            sync = make_sync(model, draw)
+            calls[rank].clear()
+            for n, p in model.named_parameters():
+                if p.requires_grad:        # after the learner's hooks: runs once theirs has
+                    p.register_post_accumulate_grad_hook(
+                        lambda _p, n=n: st.launches_after.append((n, len(calls[rank]))))
+            where = "backward"
+            model(x, draw.use_order, skipped).backward()
+            where = "finish"
+            sync.finish()
+            st.grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}
+            if hasattr(sync, "close"):
+                sync.close()
+        except BaseException as exc:      # reported by the check, which names it
+            st.error, st.where = exc, where
+
+    with world.installed():
+        inner = dist.all_reduce
+
+        def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            mine = calls[world.rank]
+            if len(mine) >= RUNAWAY_CALLS:
+                raise RuntimeError(f"more than {RUNAWAY_CALLS} all-reduces in one step: a launch loop that never "
+                                   f"moves on to the next one")
+            mine.append(tensor.numel())
+            return inner(tensor, op=op, group=group, async_op=async_op)
+
+        dist.all_reduce = all_reduce
+        try:
+            threads = [threading.Thread(target=body, args=(r,), daemon=True, name=f"course-drawn-{r}")
+                       for r in range(draw.world_size)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + timeout_s
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            dist.all_reduce = inner
+    for r, st in enumerate(steps):
+        if st is None or threads[r].is_alive():
+            steps[r] = RankStep([], calls[r], {}, {}, TimeoutError(f"rank {r} did not finish within {timeout_s:.0f} s"),
+                                "finish")
+    return steps
+
+
+def expected_launched(draw: Draw, rank: int, units: list[list[str]], arrived: list[str]) -> int:
+    """How many units (lists of names, in launch order) are complete at the head, given what has arrived."""
+    have = set(arrived)
+    k = 0
+    while k < len(units) and all(n in have for n in units[k]):
+        k += 1
+    return k
+
+
+def first_late_launch(draw: Draw, steps: list[RankStep], units: list[list[str]]) -> str | None:
+    """The first hook, on any rank, after which fewer units were launched than were complete at the head;
+    None when every hook launched all it completed."""
+    for rank, st in enumerate(steps):
+        arrived = []
+        for name, launched in st.launches_after:
+            arrived.append(name)
+            want = expected_launched(draw, rank, units, arrived)
+            if launched < want:
+                label = lambda u: "[" + ", ".join(u) + "]" if len(u) > 1 else u[0]      # noqa: E731
+                late = ", ".join(label(u) for u in units[launched:want])
+                return (f"rank {rank}: when the hook of {name} returned, the first {want} of the launch order "
+                        f"({', '.join(label(u) for u in units[:want])}) had all their gradients (arrived so far: "
+                        f"{', '.join(arrived)}), but only {launched} had been launched: {late} waited for a later "
+                        f"hook or finish()")
+    return None
+
+
+def mean_over_ranks(draw: Draw, steps: list[RankStep]) -> dict[str, torch.Tensor]:
+    return {n: sum(st.local[n] for st in steps) / draw.world_size for n in draw.trainable}
+
+
+def first_wrong_grad(draw: Draw, steps: list[RankStep]) -> str | None:
+    """The first rank and parameter whose .grad after finish() is not the mean over the ranks; None when
+    every rank holds it (a parameter no rank used may stay None; a frozen one must)."""
+    mean = mean_over_ranks(draw, steps)
+    used_anywhere = {n for n in draw.trainable if any(n not in draw.skipped.get(r, []) for r in range(draw.world_size))}
+    for rank, st in enumerate(steps):
+        skipped = draw.skipped.get(rank, [])
+        for n in draw.frozen:
+            if st.grads.get(n) is not None:
+                return f"rank {rank}: the frozen {n} (requires_grad=False) has a .grad after finish(); it must stay None"
+        for n in draw.trainable:
+            got, want = st.grads.get(n), mean[n]
+            if got is None and n not in used_anywhere:
+                continue
+            if got is not None and got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+                continue
+            state = ("has no .grad" if got is None else
+                     "holds zeros" if not got.any() else
+                     "holds its own gradient" if torch.allclose(got, st.local[n], rtol=1e-4, atol=1e-6) else
+                     "holds the sum over the ranks" if torch.allclose(got, want * draw.world_size, rtol=1e-4, atol=1e-6)
+                     else "holds something else")
+            if n in skipped:
+                return (f"rank {rank}, which did not use {n}, {state} in {n}.grad after finish(), not the mean of "
+                        f"the other ranks' gradients (over {draw.world_size} ranks)")
+            return f"rank {rank}: {n}.grad {state} after finish(), not the mean over the {draw.world_size} ranks"
+    return None
