@@ -649,6 +649,14 @@ class StreamTrainerMixin:
         self.save_times["commit_s"] += time.perf_counter() - t0
         self.save_times["exposed_s"] += time.perf_counter() - t0
 
+    def _save_report(self) -> dict:
+        """This rank's saves for the step report: the training thread's time in them, per save and in all."""
+        times = self.save_times
+        return {"save_async": self.args.save_async, "saves": times["saves"],
+                "exposed_s": round(times["exposed_s"], 4),
+                "exposed_s_per_save": round(times["exposed_s"] / times["saves"], 4),
+                "wait_s": round(times["wait_s"], 4), "write_s": round(times["write_s"], 4)}
+
     def _finalize_training(self, *args, **kwargs):
         self._settle_save(wait=True)
         return super()._finalize_training(*args, **kwargs)
@@ -710,6 +718,8 @@ class StreamTrainerMixin:
                                     prefetch_depth=self.args.prefetch_depth,
                                     spans=[span for _, rank_spans in gathered for span in rank_spans],
                                     notes=list(self._notes))
+        if self.save_times["saves"]:
+            self._report["save"] = self._save_report()
         self._advise()
 
     def _advise(self) -> None:

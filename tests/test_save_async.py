@@ -373,3 +373,14 @@ def test_waiting_for_a_frozen_writer_is_a_phase_the_watchdog_names(tmp_path, mon
     trainer.train()
     waits = [p for p in phases if p.startswith("waiting for the save of")]
     assert waits and "checkpoint-1 to finish writing (save_async)" in waits[0], phases
+
+
+def test_the_step_report_holds_the_exposed_save_time_per_save_and_in_all(tmp_path):
+    trainer = _trainer(tmp_path, max_steps=4, save_async=True)
+    trainer.train()
+    save = trainer.stream_report()["save"]
+    assert save["save_async"] is True and save["saves"] == 2 and save["exposed_s"] > 0
+    assert save["exposed_s_per_save"] == pytest.approx(save["exposed_s"] / 2, abs=1e-3)
+    import json
+
+    assert json.loads(trainer.stream_report().to_json())["save"]["saves"] == 2
