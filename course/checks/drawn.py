@@ -146,7 +146,7 @@ def run_drawn_step(draw: Draw, make_sync, timeout_s: float = 20.0) -> list[RankS
     after every hook, and its gradients after ``finish()``."""
     from course.checks.lesson10.threads import ThreadWorld
 
-    world = ThreadWorld(draw.world_size, timeout_s=8.0)
+    world = ThreadWorld(draw.world_size, timeout_s=3.0)     # a step takes milliseconds: a wait this long is a hang
     steps: list[RankStep | None] = [None] * draw.world_size
     calls: dict[int, list[int]] = {r: [] for r in range(draw.world_size)}
 
@@ -206,6 +206,18 @@ def run_drawn_step(draw: Draw, make_sync, timeout_s: float = 20.0) -> list[RankS
             steps[r] = RankStep([], calls[r], {}, {}, TimeoutError(f"rank {r} did not finish within {timeout_s:.0f} s"),
                                 "finish")
     return steps
+
+
+def run_draws(draws: list[Draw], make_sync) -> list[tuple[Draw, list[RankStep]]]:
+    """`run_drawn_step` on each draw in turn, stopping after the first one where a rank raised (its peers then
+    wait out the timeout: one such draw is enough to name it)."""
+    out = []
+    for draw in draws:
+        steps = run_drawn_step(draw, make_sync)
+        out.append((draw, steps))
+        if any(st.error is not None for st in steps):
+            break
+    return out
 
 
 def expected_launched(draw: Draw, rank: int, units: list[list[str]], arrived: list[str]) -> int:

@@ -396,11 +396,11 @@ OVERLAP_DRAWS = 4
 
 
 def _drawn_overlap(learner) -> tuple:
-    from course.checks.drawn import draw_cases, run_drawn_step
+    from course.checks.drawn import draw_cases, run_draws
 
     def compute():
-        return [(d, run_drawn_step(d, lambda model, d: learner.OverlapSync(model)))
-                for d in draw_cases(5, OVERLAP_DRAWS, frozen_every=1, skip=False)]
+        return run_draws(draw_cases(5, OVERLAP_DRAWS, frozen_every=1, skip=False),
+                         lambda model, d: learner.OverlapSync(model))
     return learner.once("05.overlap_hook-drawn", compute)
 
 
@@ -658,11 +658,11 @@ FINISH_DRAWS = 6
 
 
 def _drawn_finish(learner) -> list:
-    from course.checks.drawn import draw_cases, run_drawn_step
+    from course.checks.drawn import draw_cases, run_draws
 
     def compute():
-        return [(d, run_drawn_step(d, lambda model, d: learner.OrderedOverlapSync(model)))
-                for d in draw_cases(6, FINISH_DRAWS, frozen_every=2)]
+        return run_draws(draw_cases(6, FINISH_DRAWS, frozen_every=2),
+                         lambda model, d: learner.OrderedOverlapSync(model))
     return learner.once("05.finish-drawn", compute)
 
 

@@ -515,11 +515,11 @@ BUCKET_DRAWS = 6
 
 
 def _drawn_buckets(learner) -> list:
-    from course.checks.drawn import draw_cases, run_drawn_step
+    from course.checks.drawn import draw_cases, run_draws
 
     def compute():
-        return [(d, run_drawn_step(d, lambda model, d: learner.BucketedSync(model, d.buckets)))
-                for d in draw_cases(7, BUCKET_DRAWS, frozen_every=2, buckets=True)]
+        return run_draws(draw_cases(7, BUCKET_DRAWS, frozen_every=2, buckets=True),
+                         lambda model, d: learner.BucketedSync(model, d.buckets))
     return learner.once("06.bucketed_sync-drawn", compute)
 
 
@@ -536,8 +536,9 @@ def _check_drawn_on_time(learner) -> None:
     """The end of LAUNCH_CASE: on the drawn plans, every bucket leaves with the hook that completes it."""
     from course.checks.drawn import first_late_launch
 
-    _drawn_crash(learner)
     for draw, steps in _drawn_buckets(learner):
+        if any(st.error is not None for st in steps):
+            continue          # a crash is named by UNUSED_CASE, after its rehearsal of a parameter without .grad
         late = first_late_launch(draw, steps, draw.buckets)
         if late:
             raise Wrong(f"a bucket left a hook late: {late} ({draw.describe()}). A bucket leaves with the hook that "
