@@ -25,7 +25,7 @@ rs_ex = Exercise("10.reduce_scatter", uses=["reduce_scatter_mean"], title="a red
 RS_REFUSE = {name: REFUSED[name] for name in ("all_reduce", "reduce_scatter_single", "reduce_scatter_tensor",
                                               "reduce_scatter")}
 RS_SIZES = (3, 1000)       # elements per rank's slice
-RS_WORLDS = (2, 3, 4)      # 3: not a power of two, so a rank ^ step pairing names a rank that does not exist
+RS_WORLDS = (2, 4, 3)      # 3 (last, after the powers of two): a rank ^ step pairing reaches a rank past N
 RS_HINT = ("rank r must end with the mean over all ranks of slice r of their tensors (S elements) and nothing "
            "else: compare what each rank holds after your exchange with that, on 2 ranks and S = 3")
 RS_REVEAL = ("received = torch.empty_like(flat); dist.all_to_all_single(received, flat); "
