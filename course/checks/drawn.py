@@ -68,11 +68,12 @@ class Draw:
                 if f"p{i}" not in self.frozen and f"p{i}" not in self.skipped.get(rank, [])]
 
     def describe(self) -> str:
-        who = "; ".join(f"rank {r} skips {', '.join(ns)}" for r, ns in sorted(self.skipped.items())) or "every rank uses all"
+        who = ("; ".join(f"rank {r} skips {', '.join(ns)}" for r, ns in sorted(self.skipped.items()))
+               or "every rank uses all")
         frozen = f"; frozen: {', '.join(self.frozen)}" if self.frozen else ""
         plan = f"; buckets {self.buckets}" if self.buckets else ""
-        return (f"drawn case {self.index}: {self.world_size} ranks, parameters {', '.join(self.names)} used in the order "
-                f"{', '.join(f'p{i}' for i in self.use_order)}{frozen}; {who}{plan}")
+        return (f"drawn case {self.index}: {self.world_size} ranks, parameters {', '.join(self.names)} used in the "
+                f"order {', '.join(f'p{i}' for i in self.use_order)}{frozen}; {who}{plan}")
 
 
 class Chain(nn.Module):
@@ -97,11 +98,13 @@ class Chain(nn.Module):
         return h.square().mean()
 
 
-def draw_cases(seed: int, count: int, *, frozen_every: int = 0, skip: bool = True, buckets: bool = False) -> list[Draw]:
+def draw_cases(seed: int, count: int, *, frozen_every: int = 0, skip: bool = True,
+               buckets: bool = False) -> list[Draw]:
     """``count`` cases from ``random.Random(seed)``: world sizes 2, 3, 4 in turn; 4 to 6 parameters; a use
     order that makes some hook complete more than one unit at the head of the launch order; one rank
     (drawn, not always the last) that skips a parameter, with ``skip``; a frozen parameter in every
-    ``frozen_every``-th case (1: all, 2: every other, 0: none); with ``buckets``, a plan of 2 or 3 buckets in reverse registration order."""
+    ``frozen_every``-th case (1: all, 2: every other, 0: none); with ``buckets``, a plan of 2 or 3
+    buckets in reverse registration order."""
     rng = random.Random(seed)
     out = []
     for index in range(1, count + 1):
@@ -260,7 +263,8 @@ def first_wrong_grad(draw: Draw, steps: list[RankStep]) -> str | None:
         skipped = draw.skipped.get(rank, [])
         for n in draw.frozen:
             if st.grads.get(n) is not None:
-                return f"rank {rank}: the frozen {n} (requires_grad=False) has a .grad after finish(); it must stay None"
+                return (f"rank {rank}: the frozen {n} (requires_grad=False) has a .grad after finish(); it must "
+                        f"stay None")
         for n in draw.trainable:
             got, want = st.grads.get(n), mean[n]
             if got is None and n not in used_anywhere:
