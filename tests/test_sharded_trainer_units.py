@@ -51,6 +51,9 @@ class FakeSync:
     def wait_for_params(self):
         self.calls.append("wait")
 
+    def agree(self, *flags):   # one process: every rank is this one
+        return list(flags)
+
 
 class FakeReduction:
     def __init__(self, sync):

@@ -25,7 +25,7 @@ from transformers import HfArgumentParser, TrainingArguments
 from hfstream import StreamTrainingArguments, stream_arguments
 
 STREAM_FIELDS = ("prefetch_depth", "grad_sync", "grad_bucket_mb", "grad_comm_dtype", "comm_stream_priority",
-                 "step_watchdog_s", "stream_report")
+                 "step_watchdog_s", "stream_report", "save_async")
 REPO = Path(__file__).resolve().parents[1]
 
 

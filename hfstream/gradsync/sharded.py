@@ -255,18 +255,20 @@ class ShardedReduction(Reduction):
         used = [u for st in self.states for u in st.used]
         if self.accumulate and self._used_before is not None:   # a further backward of the step
             used = [a or b for a, b in zip(used, self._used_before)]
-        # Host bytes, reduced on the host group: on an accelerator nothing here touches the device.
-        t = torch.frombuffer(bytearray(used), dtype=torch.uint8)
-        self._flags = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flags_group, async_op=True), t)
+        # Host bytes, reduced in place on the host group (the tensor is a view of them): on an
+        # accelerator nothing here touches the device, and reading them back reads no tensor.
+        flags = bytearray(used)
+        t = torch.frombuffer(flags, dtype=torch.uint8)
+        self._flags = (dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._flags_group, async_op=True), flags)
 
     @torch.no_grad()
     def all_reduced(self, ok: bool) -> None:
         flags, self._flags = self._flags, None
         if not ok or flags is None:
             return
-        work, t = flags
+        work, reduced = flags
         work.wait()
-        used = self._used_before = t.numpy().astype(bool).tolist()   # host memory: no device to wait for
+        used = self._used_before = [bool(u) for u in reduced]
         params = [p for st in self.states for p in st.params]
         self._unused = {id(p) for p, u in zip(params, used) if not u}
         for st in self.states:
