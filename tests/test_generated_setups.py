@@ -84,4 +84,4 @@ def test_every_open_issue_left_out_of_the_budgets_has_a_named_test():
     for (seed, mode), reason in OPEN.items():
         assert mode in MODES and "named: seed " in reason
         named_seed = int(reason.rsplit("named: seed ", 1)[1].rstrip(")"))
-        assert named_seed in named.NAMED, f"OPEN ({seed}, {mode!r}) points at seed {named_seed}, which has no named test"
+        assert named_seed in named.NAMED, f"OPEN ({seed}, {mode!r}) names seed {named_seed}, which has no named test"
