@@ -44,10 +44,15 @@ READ_AFTER_UNUSED = ("a training_step reading .grad after its backward sees this
 BN_BF16_SYNC_EACH = ("sharded logs another grad norm with a bf16 submodule before BatchNorm, sync_each_batch and a "
                      "callback scaling .grad (named: seed 27)")
 OPEN: dict[tuple[int, str], str] = {
-    **{(seed, "sharded"): UNFROZEN_NORM for seed in (1, 3, 15, 19, 26, 35, 74, 93, 103, 104)},
-    **{(seed, mode): READ_AFTER_UNUSED for seed in (51, 95) for mode in ("overlap", "serial", "sharded")},
+    **{(seed, "sharded"): UNFROZEN_NORM
+       for seed in (1, 3, 15, 19, 26, 35, 74, 93, 103, 104, 109, 114, 118, 120, 129, 131)},
+    **{(seed, mode): READ_AFTER_UNUSED for seed in (51, 95, 134, 145) for mode in ("overlap", "serial", "sharded")},
     (27, "sharded"): BN_BF16_SYNC_EACH,
 }
+# What the stock Trainer itself cannot train (so there is nothing to compare with): DDP with
+# find_unused_parameters meets a parameter twice when a loss term reads it outside the forward (the
+# L2 penalty) and the forward leaves it unused (an expert no token reached).
+STOCK_LIMITS = ("has been marked as ready twice",)
 DDP_TIMEOUT_S = 30   # a hung collective raises after this, and hfstream's watchdog ends the rank 15 s later
 
 FAMILIES = ("gpt2", "llama", "bert", "mixtral", "qwen2moe", "t5", "bart", "bn-mlp", "moe-experts")
@@ -686,7 +691,7 @@ class Finding:
 
     @property
     def failure(self) -> bool:
-        return self.kind != "refused" and not self.stock_diverged
+        return self.kind not in ("refused", "stock-limit") and not self.stock_diverged
 
     def __str__(self) -> str:
         size = "" if math.isnan(self.size) or math.isinf(self.size) else f" (max |diff| {self.size:.3g})"
@@ -717,7 +722,8 @@ def _tensor_error(got: torch.Tensor, ref: torch.Tensor, base: torch.Tensor | Non
     # A bf16 tensor that moves less than its ulps in a step is rounding, not arithmetic: also allow one
     # ulp (2**-8 of it) on a sixteenth of its elements.
     ulps = 2.0 ** -8 * float(r.norm()) / 4 if ref.dtype == torch.bfloat16 else 0.0
-    return float((g - r).norm()) / (tol.moved * float(move.norm()) + ulps + 1e-9)
+    # An element whose gradient is only noise (an attention key's bias) moves by noise: 1e-6 each.
+    return float((g - r).norm()) / (tol.moved * float(move.norm()) + ulps + 1e-6 * r.numel() ** 0.5)
 
 
 def _compare_tensors(got: dict, ref: dict, base: dict | None, tol: Tolerance) -> tuple[list[str], float]:
@@ -736,7 +742,8 @@ def compare(setup: Setup, results: dict, modes: tuple = MODES) -> list[Finding]:
     stock = results[(setup, "stock")]
     if any("error" in r for r in stock):
         failed = _failed_run(setup, "stock", [(i, r) for i, r in enumerate(stock) if "error" in r])
-        return [dataclasses.replace(failed, kind="stock-raised")]
+        limit = any(m in r.get("error", "") for r in stock for m in STOCK_LIMITS)
+        return [dataclasses.replace(failed, kind="stock-limit" if limit else "stock-raised")]
     tol = tolerance(setup)
     for mode in modes:
         ranks = results.get((setup, mode))
@@ -861,7 +868,8 @@ def check_setups(setups: list[Setup], out_dir: str, modes: tuple = MODES, skip: 
         for setup in group:
             summary["skipped"] += [(setup.seed, m, skip[(setup.seed, m)]) for m in modes if (setup.seed, m) in skip]
             for f in compare(setup, results, modes):
-                which = "refusals" if f.kind == "refused" else "diverged" if f.stock_diverged else "findings"
+                which = ("refusals" if f.kind in ("refused", "stock-limit") else "diverged" if f.stock_diverged
+                         else "findings")
                 summary[which].append(f)
     return summary
 
