@@ -177,9 +177,9 @@ def _train(side: str, rank: int, out_dir: str, trainer=None, callback=None, buil
     return out
 
 
-def _runs(rank, world_size, tmp, name):
+def _runs(rank, world_size, tmp, name, modes):
     out = {}
-    for side in ("stock",) + MODES:
+    for side in ("stock",) + modes:
         try:
             # A copy each run: the Trainer writes into accelerator_config's dicts (num_steps).
             out[side] = _train(side, rank, f"{tmp}/{name}-{side}", **copy.deepcopy(SCENARIOS[name]))
@@ -191,20 +191,25 @@ def _runs(rank, world_size, tmp, name):
 _SPAWNED: dict = {}
 
 
-def _spawned(name, tmp_path_factory):
-    """One spawn of 2 gloo ranks per scenario (a rank that crashes takes only its own scenario down)."""
+def _spawned(name, mode, tmp_path_factory):
+    """One spawn of 2 gloo ranks per scenario and group of modes (a crash takes only its own down)."""
     from hfstream.testing import run_on_ranks
 
-    if name not in _SPAWNED:
-        _SPAWNED[name] = run_on_ranks(_runs, 2, str(tmp_path_factory.mktemp(name)), name,
-                                      init_process_group=False, timeout=300)
-    return _SPAWNED[name]
+    modes = QUICK_MODES if mode in QUICK_MODES else tuple(m for m in MODES if m not in QUICK_MODES)
+    if (name, modes) not in _SPAWNED:
+        _SPAWNED[(name, modes)] = run_on_ranks(_runs, 2, str(tmp_path_factory.mktemp(name)), name, modes,
+                                               init_process_group=False, timeout=300)
+    return _SPAWNED[(name, modes)]
 
 
-@pytest.mark.parametrize("mode", MODES)
+# overlap and sharded in `make test`; native (DDP under StreamTrainer) and serial under `make test-slow`.
+QUICK_MODES = ("overlap", "sharded")
+
+
+@pytest.mark.parametrize("mode", [m if m in QUICK_MODES else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_code_on_one_rank_only_trains_as_stock_in_every_mode(tmp_path_factory, name, mode):
-    for rank, out in enumerate(_spawned(name, tmp_path_factory)):
+    for rank, out in enumerate(_spawned(name, mode, tmp_path_factory)):
         ref, got = out["stock"], out[mode]
         assert isinstance(ref, dict), f"stock failed on rank {rank}:\n{ref}"
         assert isinstance(got, dict), f"{mode} failed on rank {rank}:\n{got}"
