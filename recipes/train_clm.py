@@ -75,11 +75,20 @@ DEMO_DEFAULTS = dict(max_steps=150, per_device_train_batch_size=8, per_device_ev
                      report_to="none", eval_strategy="no", disable_tqdm=True, seed=0)
 
 
-def build_model(m: ModelArguments, vocab_size: int, block_size: int):
+def build_model(m: ModelArguments, tokenizer, block_size: int):
+    # The special ids come from the tokenizer: GPT2Config's defaults (50256) lie outside a
+    # 257-id vocabulary and LlamaConfig's (1, 2) name ordinary bytes, and transformers warns
+    # about both, at the config and again when the Trainer aligns them with the tokenizer.
+    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if m.model_type == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=block_size, n_embd=m.n_embd,
-                                          n_layer=m.n_layer, n_head=m.n_head))
-    return LlamaForCausalLM(LlamaConfig(vocab_size=vocab_size, hidden_size=m.n_embd, intermediate_size=4 * m.n_embd,
+        model = GPT2LMHeadModel(GPT2Config(**ids, n_positions=block_size, n_embd=m.n_embd,
+                                           n_layer=m.n_layer, n_head=m.n_head))
+        # The loss transformers picks anyway; named, because the class name ("LMHead", not
+        # "ForCausalLM") does not name it and transformers warns "loss_type=None ... unrecognized".
+        model.loss_type = "ForCausalLM"
+        return model
+    return LlamaForCausalLM(LlamaConfig(**ids, hidden_size=m.n_embd, intermediate_size=4 * m.n_embd,
                                         num_hidden_layers=m.n_layer, num_attention_heads=m.n_head,
                                         num_key_value_heads=m.n_head, max_position_embeddings=block_size))
 
@@ -112,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
         trace = TraceSteps(*parse_step_range(data_args.trace_steps), out) if data_args.trace_steps else None
     except ValueError as err:
         raise SystemExit(f"train_clm.py: error: {err}") from None
-    model = build_model(model_args, len(tokenizer), data_args.block_size)
+    model = build_model(model_args, tokenizer, data_args.block_size)
     trainer = StreamTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
                             processing_class=tokenizer, callbacks=[trace] if trace else None)
     trainer.train()
