@@ -62,8 +62,10 @@ gpu-check-here: gpu-check
 
 course: $(STAMP)
 	$(PY) -m pip install -q -e ".[dev,course]"
-	$(PY) -m course start
-	@echo "then: $(VENV)/bin/jupyter lab course/work    (lesson 00 first)"
+	@# `course start` ends with "open them with: jupyter lab course/work", but jupyter is in
+	@# $(VENV)/bin, which is not on PATH unless the venv is activated: print the path that exists.
+	bash -o pipefail -c '$(PY) -m course start | sed "s|: jupyter lab |: $(VENV)/bin/jupyter lab |"'
+	@echo "(lesson 00 first)"
 
 course-grade: $(STAMP)
 	-$(PY) -m course grade --all
