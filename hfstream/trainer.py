@@ -213,7 +213,7 @@ class StreamTrainerMixin:
         if self.args.prefetch_depth == 0:
             return epoch_iterator
         if self._prefetch_source is not epoch_iterator:
-            from .prefetch import StreamPrefetcher
+            from .prefetch.prefetcher import StreamPrefetcher
 
             self._close_prefetcher()
             state = self.accelerator.gradient_state

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hfstream.batches import map_tensors
+from hfstream.prefetch.batches import map_tensors
 
 
 class ReadOnlyBatch(Mapping):

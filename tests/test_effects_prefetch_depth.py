@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from hfstream.prefetch import StreamPrefetcher
+from hfstream.prefetch.prefetcher import StreamPrefetcher
 
 N = 10
 GUARD_S = 30.0   # a hang guard, not a speed threshold

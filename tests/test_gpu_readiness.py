@@ -19,7 +19,7 @@ import torch
 
 from hfstream import StreamTrainingArguments, streams
 from hfstream.gradsync import reduction
-from hfstream.prefetch import StreamPrefetcher, depth_for_step
+from hfstream.prefetch.prefetcher import StreamPrefetcher, depth_for_step
 
 
 # -- each rank's own device -----------------------------------------------------------------------
@@ -203,7 +203,7 @@ def fake_side_stream(monkeypatch):
     monkeypatch.setattr(streams, "use_stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(streams, "new_event", lambda device, enable_timing=False: fake)
     monkeypatch.setattr(streams, "record_stream", lambda t, s: None)
-    from hfstream import prefetch
+    from hfstream.prefetch import prefetcher as prefetch
 
     monkeypatch.setattr(prefetch, "_SIDE_STREAMS", {})
     monkeypatch.setattr(prefetch, "_SAID", set())

@@ -22,8 +22,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 from transformers import BatchEncoding
 
-from hfstream import prefetch, streams
-from hfstream.prefetch import THREAD_PREFIX, StreamPrefetcher
+from hfstream import streams
+from hfstream.prefetch import prefetcher as prefetch
+from hfstream.prefetch.prefetcher import THREAD_PREFIX, StreamPrefetcher
 
 Point = namedtuple("Point", ["x", "y"])
 
@@ -442,7 +443,7 @@ def test_a_device_without_side_streams_copies_on_the_current_stream(monkeypatch,
     """Apple MPS in current torch: no torch.mps.Stream. The prefetcher must not crash; it says so once."""
     import logging
 
-    from hfstream import prefetch as prefetch_module
+    from hfstream.prefetch import prefetcher as prefetch_module
 
     monkeypatch.setattr(streams, "is_accelerator", lambda device: True)
     monkeypatch.setattr(streams, "has_side_streams", lambda device: False)

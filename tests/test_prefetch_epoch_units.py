@@ -12,8 +12,8 @@ import gc
 import pytest
 import torch
 
-from hfstream import prefetch_epoch
-from hfstream.prefetch_epoch import PRODUCED_KEPT, Epoch, Failure, PrefetchStats, SyncEpoch, move_batch
+from hfstream.prefetch import epoch as prefetch_epoch
+from hfstream.prefetch.epoch import PRODUCED_KEPT, Epoch, Failure, PrefetchStats, SyncEpoch, move_batch
 
 META = torch.device("meta")
 

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hfstream import streams
-from hfstream.prefetch import StreamPrefetcher
+from hfstream.prefetch.prefetcher import StreamPrefetcher
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="uses torch.cuda test APIs")
 

@@ -13,8 +13,8 @@ import threading
 import pytest
 import torch
 
-import hfstream.prefetch as prefetch
-from hfstream.prefetch import THREAD_PREFIX, StreamPrefetcher
+import hfstream.prefetch.prefetcher as prefetch
+from hfstream.prefetch.prefetcher import THREAD_PREFIX, StreamPrefetcher
 
 GUARD_S = 30.0   # a hang guard, not a speed threshold
 

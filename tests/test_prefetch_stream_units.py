@@ -14,8 +14,8 @@ import collections
 import pytest
 import torch
 
-from hfstream.prefetch_epoch import PrefetchStats
-from hfstream.prefetch_stream import StagedEpoch, read_timings
+from hfstream.prefetch.epoch import PrefetchStats
+from hfstream.prefetch.stream import StagedEpoch, read_timings
 from test_prefetch import FakeStream, fake_accelerator  # noqa: F401 - the fixture is used by name
 
 META = torch.device("meta")

@@ -1,4 +1,4 @@
-"""The CPU prefetch thread's life (`hfstream.prefetch_thread.ThreadEpoch`): what a user relies on.
+"""The CPU prefetch thread's life (`hfstream.prefetch.thread.ThreadEpoch`): what a user relies on.
 
 - at the end of its source (or at its error) the thread stops by itself and never pulls again;
 - an epoch's ``close()`` joins the thread (gone on return, no waiting), warns only when the
@@ -18,8 +18,8 @@ import weakref
 import pytest
 import torch
 
-import hfstream.prefetch_thread as prefetch_thread
-from hfstream.prefetch import StreamPrefetcher
+import hfstream.prefetch.thread as prefetch_thread
+from hfstream.prefetch.prefetcher import StreamPrefetcher
 
 GUARD_S = 30.0   # a hang guard, not a speed threshold
 

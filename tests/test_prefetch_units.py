@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 
-import hfstream.prefetch as prefetch
-from hfstream.prefetch import StreamPrefetcher
+import hfstream.prefetch.prefetcher as prefetch
+from hfstream.prefetch.prefetcher import StreamPrefetcher
 from test_prefetch import FakeEvent, fake_accelerator  # noqa: F401 - the fixture is used by name
 
 

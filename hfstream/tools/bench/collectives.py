@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ...gradsync import collectives
-from ...testing import run_on_ranks
+from hfstream.gradsync import collectives
+from hfstream.testing import run_on_ranks
 
 
 def probe(rank: int, world_size: int, mb: float, reps: int) -> dict[str, tuple[bool, float]]:

@@ -13,8 +13,7 @@ preparation (collate, tokenisation) instead, as ``DataLoader`` workers do.
     >>> prefetcher.stats.data_wait_ms         # how long the last step waited for its batch
 
 This module is the facade; each way of prefetching is an epoch (one pass over the source):
-`prefetch_epoch` (what they share; depth 0), `prefetch_thread` (CPU), `prefetch_stream`
-(accelerator side stream).
+`epoch` (what they share; depth 0), `thread` (CPU), `stream` (accelerator side stream).
 """
 
 from __future__ import annotations
@@ -28,9 +27,9 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 
 from hfstream import streams
-from hfstream.prefetch_epoch import Epoch, PrefetchStats, SyncEpoch
-from hfstream.prefetch_stream import MAX_PENDING_TIMINGS, StagedEpoch, read_timings
-from hfstream.prefetch_thread import JOIN_TIMEOUT_S, THREAD_PREFIX, ThreadEpoch
+from hfstream.prefetch.epoch import Epoch, PrefetchStats, SyncEpoch
+from hfstream.prefetch.stream import MAX_PENDING_TIMINGS, StagedEpoch, read_timings
+from hfstream.prefetch.thread import JOIN_TIMEOUT_S, THREAD_PREFIX, ThreadEpoch
 
 __all__ = ["StreamPrefetcher", "PrefetchStats", "THREAD_PREFIX", "depth_for_step"]
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hfstream import streams
-from hfstream.batches import map_tensors
-from hfstream.prefetch_epoch import END, Epoch, Failure, InFlight, PrefetchStats, move_batch
+from hfstream.prefetch.batches import map_tensors
+from hfstream.prefetch.epoch import END, Epoch, Failure, InFlight, PrefetchStats, move_batch
 
 MAX_PENDING_TIMINGS = 64   # copy timings not yet readable; older ones are dropped, never waited on
 
@@ -25,7 +25,7 @@ class StagedEpoch(Epoch):
     """Accelerator: ``depth`` batches are copied ahead on a side stream, one event per batch.
 
     Args:
-        source, device, skip, depth, stats: as `prefetch_epoch.Epoch`.
+        source, device, skip, depth, stats: as `epoch.Epoch`.
         side: the side stream the copies are issued on (shared by the prefetchers of a device).
         non_blocking: issue the copies with ``non_blocking=True``.
         pin: pin host tensors first; ``auto_pin``: stop trying, without an error, where the

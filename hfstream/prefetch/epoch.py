@@ -6,8 +6,8 @@ from the source (raised at the step that would have consumed that batch) and the
 
     SyncEpoch      depth 0, or a source that must be read on the training thread: pull and move
                    each batch when it is asked for (the stock baseline)
-    ThreadEpoch    CPU: a background thread prepares the next batches (`prefetch_thread`)
-    StagedEpoch    accelerator: copies on a side stream, one event per batch (`prefetch_stream`)
+    ThreadEpoch    CPU: a background thread prepares the next batches (`thread`)
+    StagedEpoch    accelerator: copies on a side stream, one event per batch (`stream`)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from hfstream.batches import map_tensors
+from hfstream.prefetch.batches import map_tensors
 
 END = object()           # the source is exhausted
 PRODUCED_KEPT = 256      # producer intervals kept in `PrefetchStats.produced`

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from hfstream.prefetch_epoch import END, Epoch, Failure, PrefetchStats, move_batch
+from hfstream.prefetch.epoch import END, Epoch, Failure, PrefetchStats, move_batch
 
 THREAD_PREFIX = "hfstream-prefetch"
 _POLL_S = 0.05            # how often a blocked producer/consumer re-checks the stop flag
