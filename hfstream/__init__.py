@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "GradSync": "hfstream.gradsync",
     "StreamPrefetcher": "hfstream.prefetch",
-    "StreamReport": "hfstream.timeline",
+    "StreamReport": "hfstream.report.timeline",
     "StreamTrainer": "hfstream.trainer",
     "StreamTrainerMixin": "hfstream.trainer",
     "StreamTrainingArguments": "hfstream.args",
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load lazily
     from .combined_args import stream_arguments
     from .gradsync import GradSync
     from .prefetch import StreamPrefetcher
-    from .timeline import StreamReport
+    from .report.timeline import StreamReport
     from .trainer import StreamTrainer, StreamTrainerMixin
 
 

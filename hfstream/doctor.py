@@ -62,7 +62,7 @@ def load_report(path):
         FileNotFoundError: nothing there holds a report, with what to pass instead.
         ValueError: the file is not a step report.
     """
-    from .timeline import StreamReport
+    from .report.timeline import StreamReport
 
     if not Path(path).exists():
         raise FileNotFoundError(f"{path} does not exist: pass a run's output_dir or its {REPORT_FILE}")
@@ -93,7 +93,7 @@ def load_report(path):
 
 def doctor(path) -> int:
     """Print the report at ``path`` and its advice; 2 if there is none."""
-    from .advice import MIN_SAVING
+    from .report.advice import MIN_SAVING
 
     try:
         report, file = load_report(path)

@@ -46,8 +46,8 @@ from .sharded_trainer import sharded_reduction
 from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_tensor_parallel, resolve_grad_sync
 from .log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
-from .report_fields import KEYS as REPORT_KEYS
-from .timeline import StepTimeline, StreamReport, combine_ranks
+from .report.fields import KEYS as REPORT_KEYS
+from .report.timeline import StepTimeline, StreamReport, combine_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -728,10 +728,10 @@ class StreamTrainerMixin:
         self._advise()
 
     def _advise(self) -> None:
-        """The report's advice (`hfstream.advice`), said once on rank 0, and the report on disk."""
-        from .advice import advise_report, facts_from_trainer
+        """The report's advice (`hfstream.report.advice`), said once on rank 0, and the report on disk."""
+        from .report.advice import advise_report, facts_from_trainer
         from .doctor import write_report
-        from .report_format import format_advice
+        from .report.format import format_advice
 
         advise_report(self._report, facts_from_trainer(self))
         if self.is_world_process_zero():

@@ -1,4 +1,4 @@
-"""The report's advice (hfstream/advice.py): the change that helps first, with its predicted step.
+"""The report's advice (hfstream/report/advice.py): the change that helps first, with its predicted step.
 
 Three scenarios as a user meets them, each a real StreamTrainer run: data-bound (a collate as
 costly as a step, no prefetch), comm-bound (2 gloo ranks, one large bucket, fp32 wire) and a
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.advice import MIN_SAVING, RunFacts, advise
+from hfstream.report.advice import MIN_SAVING, RunFacts, advise
 from hfstream.doctor import doctor
 from tiny import lm_dataset, tiny_causal_lm, train_args
 

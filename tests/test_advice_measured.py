@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from hfstream import StreamPrefetcher
-from hfstream.advice import (CALIBRATION, CONTENTION_LOSS, EXPECTED_ERROR, MIN_SAVING, DataSide, RunFacts, advise,
+from hfstream.report.advice import (CALIBRATION, CONTENTION_LOSS, EXPECTED_ERROR, MIN_SAVING, DataSide, RunFacts, advise,
                              advise_report, comm_slowdown, measure_data_side, measured_ready)
 from hfstream.doctor import doctor
-from hfstream.report_format import format_report
-from hfstream.timeline import StepTimeline
+from hfstream.report.format import format_report
+from hfstream.report.timeline import StepTimeline
 
 DATA_BOUND = dict(data_wait_ms=40, forward_ms=10, backward_ms=15, optimizer_ms=5, exposed_comm_ms=0,
                   comm_busy_ms=float("nan"), step_ms=70)
@@ -144,7 +144,7 @@ def test_no_advice_names_what_was_ruled_out_and_the_report_prints_it(tmp_path, c
     assert "no advice:" in text and "at the ceiling" in text and "load: 0.5 on 2 cores" in text
     assert all(len(line) <= 100 for line in text.splitlines())
     # The reason survives the trip through the report file and doctor.
-    from hfstream.timeline import StreamReport
+    from hfstream.report.timeline import StreamReport
 
     (tmp_path / "stream_report.json").write_text(StreamReport(report).to_json())
     capsys.readouterr()

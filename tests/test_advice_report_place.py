@@ -75,7 +75,7 @@ def _entry(**kw):
 
 
 def test_advice_lines_fit_100_columns_with_the_reason_wrapped_under_the_setting():
-    from hfstream.report_format import ADVICE_WIDTH, format_advice
+    from hfstream.report.format import ADVICE_WIDTH, format_advice
 
     (text,) = format_advice([_entry()])
     lines = text.splitlines()
@@ -86,9 +86,9 @@ def test_advice_lines_fit_100_columns_with_the_reason_wrapped_under_the_setting(
 
 
 def test_a_loaded_machine_marks_the_advice_unreliable_with_the_bench_threshold():
-    from hfstream.advice import RunFacts, advise
-    from hfstream.report_format import format_advice
-    from hfstream.advice import LOADED_PER_CORE
+    from hfstream.report.advice import RunFacts, advise
+    from hfstream.report.format import format_advice
+    from hfstream.report.advice import LOADED_PER_CORE
 
     mean = dict(data_wait_ms=40, forward_ms=10, backward_ms=15, optimizer_ms=5, exposed_comm_ms=0,
                 comm_busy_ms=float("nan"), step_ms=70)
@@ -104,7 +104,7 @@ def test_a_loaded_machine_marks_the_advice_unreliable_with_the_bench_threshold()
 
 
 def test_one_rank_reads_one_rank():
-    from hfstream.report_format import format_report
+    from hfstream.report.format import format_report
 
     one = format_report({"mean": {"steps": 3, "step_ms": 1.0}, "per_rank": [{"step_ms": 1.0}]}).splitlines()[0]
     two = format_report({"mean": {"steps": 3, "step_ms": 1.0}, "per_rank": [{}, {}]}).splitlines()[0]
@@ -112,7 +112,7 @@ def test_one_rank_reads_one_rank():
 
 
 def test_one_bucket_reads_one_bucket():
-    from hfstream.advice import RunFacts, advise
+    from hfstream.report.advice import RunFacts, advise
 
     mean = dict(data_wait_ms=1, forward_ms=70, backward_ms=115, optimizer_ms=29, exposed_comm_ms=234,
                 comm_busy_ms=234, step_ms=455)
@@ -124,7 +124,7 @@ def test_one_bucket_reads_one_bucket():
         return next(a["reason"] for a in advice if a["setting"] == "grad_bucket_mb")
 
     assert "with 1 bucket of at most 64 MiB" in reason(64.0)
-    from hfstream.advice import _count
+    from hfstream.report.advice import _count
 
     assert (_count(1, "bucket"), _count(6, "bucket")) == ("1 bucket", "6 buckets")
 

@@ -1,6 +1,6 @@
 """The advice model's small parts, each on a case worked by hand.
 
-Written against the survivors of a mutation run over `hfstream/advice.py` (docs/design.md,
+Written against the survivors of a mutation run over `hfstream/report/advice.py` (docs/design.md,
 "Mutation testing"): the readiness curve between its points, a producer's CPU share below 1 ms a
 batch, the step thread's evidence, backward's slow-down under communication, sharded under
 accumulation, the ruled-out reasons of the workers advice, a bucket advice's value, and the
@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from hfstream.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _overlap_schedule, _Parts,
+from hfstream.report.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _overlap_schedule, _Parts,
                              _ready, advise, facts_from_trainer)
 
 
@@ -157,13 +157,13 @@ def test_the_facts_of_a_trainer_are_read_from_its_sync_args_and_node(monkeypatch
 
 
 def test_counts_are_singular_for_one_only():
-    from hfstream.advice import _count
+    from hfstream.report.advice import _count
     assert [_count(n, "bucket") for n in (0, 1, 2)] == ["0 buckets", "1 bucket", "2 buckets"]
 
 
 def test_a_step_under_a_millisecond_is_still_measured():
     # A tiny model's step (0.5 ms) is a step, not "not measured".
-    from hfstream.advice import advise
+    from hfstream.report.advice import advise
     tiny = {k: v / 232 for k, v in MEAN.items()}   # the same shape, 0.5 ms a step
     why = []
     advise(tiny, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=25.0), ruled_out=why)
@@ -184,7 +184,7 @@ def test_communication_under_a_millisecond_is_still_communication():
 def test_a_partly_overlapped_compute_interval_is_neither_with_nor_without_the_producer():
     # The step thread's CPU share is read from compute intervals the producer covered (half or
     # more: "with") or hardly touched (a tenth or less: "without"); one covered by 30 % is neither.
-    from hfstream.advice import measure_data_side
+    from hfstream.report.advice import measure_data_side
     ms = 1e-3
     produced = [(0.0, 0.01, 9.0)] + [(t, t + 100 * ms, 90.0) for t in (1.0, 3.07, 5.0, 6.0)]
     host = ([("forward", 0.0, 0.01, 9.0), ("backward", 0.02, 0.03, 9.0)]    # the first step, skipped
@@ -197,7 +197,7 @@ def test_a_partly_overlapped_compute_interval_is_neither_with_nor_without_the_pr
 
 
 def test_two_batches_past_the_first_measure_the_data_side_in_the_step():
-    from hfstream.advice import measure_data_side
+    from hfstream.report.advice import measure_data_side
     host = [("data", 0.0, 0.5, 0.4), ("forward", 0.5, 0.6, 0.1), ("data", 1.0, 1.001, 0.2), ("data", 2.0, 2.002, 1.0)]
     assert measure_data_side(host[:3]) is None                     # one batch past the warm-up: too few
     side = measure_data_side(host)

@@ -1,4 +1,4 @@
-"""`hfstream.schedule`, the one-link model the planner and the advice share, on cases worked by hand.
+"""`hfstream.report.schedule`, the one-link model the planner and the advice share, on cases worked by hand.
 
 Each expected number is derived in the comment beside it from the rules in the module's
 docstrings (one collective at a time on the link; the sharded step bucket by bucket in forward
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hfstream.schedule import overlap_exposed, sharded_step
+from hfstream.report.schedule import overlap_exposed, sharded_step
 
 
 def test_overlap_exposes_what_the_link_still_owes_after_backward():

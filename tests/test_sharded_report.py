@@ -23,8 +23,8 @@ import torch.nn as nn
 
 from hfstream.gradsync import GradSync
 from hfstream.testing import run_on_ranks
-from hfstream.report_format import format_report
-from hfstream.timeline import StepRecord, StepTimeline, summarize
+from hfstream.report.format import format_report
+from hfstream.report.timeline import StepRecord, StepTimeline, summarize
 
 LATE_S = 0.3
 

@@ -11,9 +11,9 @@ import torch
 from hfstream import StreamTrainer, StreamTrainingArguments
 from hfstream.tools.plot import plot_breakdown, plot_loss, plot_timeline
 from hfstream.gradsync.stats import StepTimes
-from hfstream.report_fields import FIELDS, KEYS, MEASURED, SHARDED_ONLY
-from hfstream.report_format import format_report
-from hfstream.timeline import StepRecord, StepTimeline, summarize
+from hfstream.report.fields import FIELDS, KEYS, MEASURED, SHARDED_ONLY
+from hfstream.report.format import format_report
+from hfstream.report.timeline import StepRecord, StepTimeline, summarize
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 
@@ -106,7 +106,7 @@ def test_two_rank_report_has_comm(tmp_path, run_distributed):
 
 
 def _host_clock(monkeypatch, reads_ms):
-    import hfstream.timeline as timeline
+    import hfstream.report.timeline as timeline
 
     clock = iter(reads_ms)   # ms, one per clock read, in step order
     monkeypatch.setattr(timeline.time, "perf_counter", lambda: next(clock) * 1e-3)
@@ -160,7 +160,7 @@ def test_run_figures_leave_the_backend_alone(tmp_path):
 
 def test_a_steps_parts_never_sum_past_the_step_when_the_host_is_preempted(monkeypatch):
     """The thread is preempted for 1 ms right as the step begins: the data wait stays inside the step."""
-    import hfstream.timeline as timeline
+    import hfstream.report.timeline as timeline
 
     clock = iter([0.0, 1.0, 2.0, 2.0, 3.0, 4.0, 4.0, 5.0])   # ms, one per clock read, in step order
     monkeypatch.setattr(timeline.time, "perf_counter", lambda: next(clock) * 1e-3)
@@ -242,7 +242,7 @@ class FakeEvent:
 
 def _device_timeline(monkeypatch, gpu, device=torch.device("cuda", 1)):
     """A timeline on ``device`` whose events are ``gpu``'s; ``gpu.devices`` collects where each was recorded."""
-    import hfstream.timeline as timeline
+    import hfstream.report.timeline as timeline
 
     gpu.devices = []
     monkeypatch.setattr(timeline, "streams", types.SimpleNamespace(
@@ -360,7 +360,7 @@ def test_design_doc_names_every_field_of_the_report():
 
 
 def test_a_step_under_a_millisecond_has_an_efficiency():
-    from hfstream.timeline import StepRecord
+    from hfstream.report.timeline import StepRecord
 
     fast = StepRecord(step=0, data_wait_ms=0.0, forward_ms=0.2, backward_ms=0.3, comm_busy_ms=0.1,
                       exposed_comm_ms=0.0, optimizer_ms=0.1, step_ms=0.8)
@@ -369,7 +369,7 @@ def test_a_step_under_a_millisecond_has_an_efficiency():
 
 
 def test_a_steps_communication_adds_up_over_the_stats_it_is_given():
-    from hfstream.timeline import _add_comm, _PendingStep
+    from hfstream.report.timeline import _add_comm, _PendingStep
 
     p = _PendingStep(step=3)
     _add_comm(p, 4.0, 1.0, [(0, 0.0, 0.004)], math.nan, math.nan, ())
@@ -384,7 +384,7 @@ def test_host_intervals_cover_the_data_wait_forward_and_backward_in_order(monkey
     # with the thread's CPU time in it (clocks that tick at each read).
     import itertools
 
-    import hfstream.timeline as timeline_module
+    import hfstream.report.timeline as timeline_module
     walls, cpus = itertools.count(10.0, 0.125), itertools.count(1.0, 0.0625)
     monkeypatch.setattr(timeline_module.time, "perf_counter", lambda: next(walls))
     monkeypatch.setattr(timeline_module.time, "thread_time", lambda: next(cpus))
@@ -484,7 +484,7 @@ def test_deferred_stats_are_placed_on_the_device_clock_only_where_there_are_devi
 def test_the_reports_json_keeps_every_value_and_writes_unmeasured_ones_as_null():
     import json
 
-    from hfstream.timeline import StreamReport
+    from hfstream.report.timeline import StreamReport
 
     row = {"step_ms": 12.5, "comm_busy_ms": math.nan, "steps": 3}
     report = StreamReport(mean=row, per_rank=[row, {**row, "step_ms": 13.0}], spans=[[0, "compute", "forward", 0.0, 1.5]],

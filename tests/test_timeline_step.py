@@ -15,8 +15,8 @@ import math
 
 import pytest
 
-import hfstream.timeline as timeline
-from hfstream.timeline import StepTimeline, combine_ranks, summarize
+import hfstream.report.timeline as timeline
+from hfstream.report.timeline import StepTimeline, combine_ranks, summarize
 
 READS_MS = [0.0, 0.0, 2.0, 2.0, 5.0, 9.0, 10.0, 13.0, 17.0, 20.0, 24.0]
 

@@ -375,7 +375,7 @@ class SimDevice:
         return max((op.end for op in self.ops), default=0.0)
 
     def spans(self) -> list[tuple]:
-        """``(rank, lane, name, start, end)`` in seconds, like `hfstream.timeline` spans."""
+        """``(rank, lane, name, start, end)`` in seconds, like `hfstream.report.timeline` spans."""
         return [(0, op.stream.lane, op.name, op.start / 1e3, op.end / 1e3) for op in self.ops]
 
     def raced_ops(self) -> set[int]:

@@ -85,7 +85,7 @@ class _Session:
         import torch
 
         from hfstream import GradSync, StreamPrefetcher
-        from hfstream.timeline import StepTimeline
+        from hfstream.report.timeline import StepTimeline
 
         self.name, self.cfg = name, cfg
         self.model = _lab_model(lab)

@@ -122,7 +122,7 @@ for span in report["spans"][:4]:
 
 # %%
 class Spans:
-    """Records ``(rank, lane, name, start, end)`` spans in seconds, the form `hfstream.timeline` uses.
+    """Records ``(rank, lane, name, start, end)`` spans in seconds, the form `hfstream.report.timeline` uses.
 
     >>> rec = Spans()
     >>> with rec.span("compute", "forward"):

@@ -350,7 +350,7 @@ show_run(out)
 
 # %%
 from course.checks.lesson08 import advice_figure, advice_sentences, data_bound_run
-from hfstream.report_format import format_report
+from hfstream.report.format import format_report
 
 before = data_bound_run()
 print(format_report(before, title="data-bound run (prefetch_depth=0)"))

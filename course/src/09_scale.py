@@ -275,7 +275,7 @@ print(f"100 MiB instead of 25 MiB buckets save {_saved:.0f} ms of latency at N =
 # Now measure. The **lab** trains a small MLP (8 layers of 128 x 128: 16 tensors, 0.5 MiB of fp32
 # gradients) on **2 gloo ranks** of this machine, with the building blocks of lessons 03-06:
 # `StreamPrefetcher` over a data source that takes a while per batch, `GradSync` for the
-# gradients, and the step report (`hfstream.timeline.StepTimeline`) measuring every part.
+# gradients, and the step report (`hfstream.report.timeline.StepTimeline`) measuring every part.
 #
 # ### First, the real thing: nothing simulated
 #

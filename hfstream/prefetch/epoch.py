@@ -45,7 +45,7 @@ class PrefetchStats:
         produced: the background thread's last batches (CPU prefetching), each ``(start, end,
             cpu_ms)``: its ``perf_counter`` interval preparing the batch and the CPU time it spent in
             it (``time.thread_time``), so a producer that waits (I/O, sleep) tells itself from one
-            that computes (`hfstream.advice`).
+            that computes (`hfstream.report.advice`).
     """
 
     batches: int = 0

@@ -11,9 +11,9 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from hfstream.report_fields import BY_KEY
+from hfstream.report.fields import BY_KEY
 
-# The step's parts, labelled as the report prints them (hfstream/report_fields.py).
+# The step's parts, labelled as the report prints them (hfstream/report/fields.py).
 PARTS = tuple((key, BY_KEY[key].label, color) for key, color in (
     ("data_wait_ms", "#c9c9c9"), ("forward_ms", "#4c72b0"), ("backward_ms", "#55a868"),
     ("exposed_comm_ms", "#c44e52"), ("optimizer_ms", "#8172b2")))

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hfstream.timeline import cross_step_limit
+from hfstream.report.timeline import cross_step_limit
 from hfstream.tools.link import SimulatedLink
 
 from .reduce_scatter import learner_reduce_scatter

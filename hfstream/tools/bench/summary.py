@@ -20,9 +20,9 @@ import platform
 import statistics
 from typing import Sequence
 
-from hfstream.advice import LOADED_PER_CORE   # above it per core the ranks did not get a core each
+from hfstream.report.advice import LOADED_PER_CORE   # above it per core the ranks did not get a core each
 from hfstream.gradsync import DDP_BUCKET_MB
-from hfstream.timeline import cross_step_limit
+from hfstream.report.timeline import cross_step_limit
 
 from .config import MEMORY_TARGET, MODES, SHARDED_MODES, TARGETS, BenchConfig
 from .over_limit import format_over_limit, over_limit

@@ -17,7 +17,7 @@ prediction error within 15 %, none beyond 30 %; runs at the ceiling get no advic
     python -m hfstream.tools.bench.sweep --runs 3 --steps 6          # the first three only
     python -m hfstream.tools.bench.sweep --sample                    # the 3-run sample the tests run
 
-Run it on a quiet machine (1-minute load under `hfstream.advice.LOADED_PER_CORE` per core): the
+Run it on a quiet machine (1-minute load under `hfstream.report.advice.LOADED_PER_CORE` per core): the
 table records the load before and after each run and marks a loaded one.
 """
 
@@ -246,7 +246,7 @@ def summarize(rows: list[dict]) -> dict:
     helped = [r for r in bottleneck if r.get("saved", 0.0) >= SAVED_TARGET]
     errors = sorted(abs(r["error"]) for r in advised)
     ceiling = [r for r in ran if r not in bottleneck]
-    from hfstream.advice import LOADED_PER_CORE
+    from hfstream.report.advice import LOADED_PER_CORE
 
     cores = os.cpu_count() or 1
     return {

@@ -1,6 +1,6 @@
 """The planner: step time, exposed gradient communication and the ceiling for 1 .. 1024 devices, without running.
 
-It answers before anyone buys hardware or books a cluster what `hfstream.timeline` and ``hfstream
+It answers before anyone buys hardware or books a cluster what `hfstream.report.timeline` and ``hfstream
 bench`` would measure: for a model (a preset, a ``config.json`` or a parameter count), a device
 (FLOP/s, memory bandwidth) and a link (bandwidth, latency) it predicts forward, backward, the
 optimizer step and the ring all-reduce of every gradient bucket at each world size, whether

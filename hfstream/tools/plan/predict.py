@@ -1,6 +1,6 @@
 """The planner: step time, gradient communication and the ceiling for 1 .. 1024 devices, without running.
 
-It predicts the quantities `hfstream.timeline` and `hfstream.tools.bench.run` measure (docs/design.md section
+It predicts the quantities `hfstream.report.timeline` and `hfstream.tools.bench.run` measure (docs/design.md section
 4) for a data-parallel step in which every device keeps its tokens per step (weak scaling):
 
     forward, backward   C = 6 P T FLOPs per device and step (+ 12 L d_attn s T with --seq-len),
@@ -60,8 +60,8 @@ from dataclasses import dataclass
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.gradsync.buckets import MiB
 from hfstream.gradsync.sharded import ShardedReduction
-from hfstream.schedule import overlap_exposed, sharded_step
-from hfstream.timeline import cross_step_limit
+from hfstream.report.schedule import overlap_exposed, sharded_step
+from hfstream.report.timeline import cross_step_limit
 
 from .links import Links
 from .shapes import ModelShape

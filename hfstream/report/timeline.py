@@ -15,8 +15,8 @@ There communication is two parts, each busy and exposed: the reduce-scatters in 
 in ``finish()``) and the previous step's all-gathers (waited by the forward's pre-hooks: that
 wait is taken out of forward and counted as exposed communication).
 
-The report's quantities, their names, units and modes are one table, `hfstream.report_fields`;
-the printed table is `hfstream.report_format`. Times come from `time.perf_counter` on CPU and
+The report's quantities, their names, units and modes are one table, `hfstream.report.fields`;
+the printed table is `hfstream.report.format`. Times come from `time.perf_counter` on CPU and
 from timing events on the compute stream of an accelerator, read only once they have completed
 (`StepTimeline.resolve`), so measuring never makes the host wait. Data wait is always a host
 time: it is the time the host could not launch work.
@@ -34,9 +34,9 @@ from typing import Any, Iterable
 
 import torch
 
-from . import streams
-from .report_fields import FIELDS, MEASURED, SHARDED_ONLY
-from .report_format import format_report
+from .. import streams
+from .fields import FIELDS, MEASURED, SHARDED_ONLY
+from .format import format_report
 
 
 def cross_step_limit(forward_ms: float, backward_ms: float, optimizer_per_rank_ms: float, comm_ms: float) -> float:
@@ -54,7 +54,7 @@ def cross_step_limit(forward_ms: float, backward_ms: float, optimizer_per_rank_m
 class StepRecord:
     """One optimizer step's measured parts, in milliseconds; the derived fields are properties.
 
-    The fields are the ``measured`` rows of `hfstream.report_fields.FIELDS`. ``comm_busy_ms`` is
+    The fields are the ``measured`` rows of `hfstream.report.fields.FIELDS`. ``comm_busy_ms`` is
     NaN where it is not measured (native DDP hides its reductions from us), and then so is
     ``overlap``. ``all_gather_busy_ms``/``all_gather_exposed_ms`` are measured under
     ``grad_sync="sharded"`` only (NaN otherwise); there ``comm_busy_ms`` and ``exposed_comm_ms``
@@ -248,7 +248,7 @@ class StepTimeline:
         # The training thread's host intervals, ``(kind, start, end, cpu_ms)`` for kind "data",
         # "forward" and "backward": perf_counter and that thread's CPU clock (`_ThreadCPU`) around
         # them, so the advice can tell a data wait spent computing from one spent waiting, and see
-        # the step's own thread lose CPU time to a producer beside it (`hfstream.advice`). Host
+        # the step's own thread lose CPU time to a producer beside it (`hfstream.report.advice`). Host
         # times, also on an accelerator.
         self.host_intervals: deque[tuple[str, float, float, float]] = deque(maxlen=8 * span_capacity)
         self._host_mark = (0.0, 0.0)

@@ -2,7 +2,7 @@
 
 `advise` takes a run's measured step parts (the report's ``mean``) and what the run was set to
 (`RunFacts`), and predicts the step under each candidate change with the planner's model
-(`hfstream.schedule`, which the planner uses too: one reduction at a time on the link, each
+(`hfstream.report.schedule`, which the planner uses too: one reduction at a time on the link, each
 bucket ready as backward produces it; the sharded schedule of docs/design.md section 7). The model is fed the
 run's own parts, not a hardware table:
 

@@ -1,4 +1,4 @@
-"""The step report as text: an aligned table, one row per field of `report_fields.FIELDS`.
+"""The step report as text: an aligned table, one row per field of `fields.FIELDS`.
 
 The rows are labelled with the fields' labels (the key without its unit), so the table, the JSON
 and the logged ``stream/<key>`` scalars share one vocabulary (docs/design.md section 4). Under
@@ -11,7 +11,7 @@ import math
 import textwrap
 from typing import Any
 
-from .report_fields import FIELDS, SHARDED_ONLY
+from .fields import FIELDS, SHARDED_ONLY
 
 LABEL_WIDTH = max(len(f.label) for f in FIELDS) + 2
 CELL_WIDTH = 12
