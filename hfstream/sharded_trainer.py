@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
 from .gradsync.eager import ModelHook
-from .gradsync.sharded import ShardedReduction
+from .gradsync.sharded.reduction import ShardedReduction
 
 _OWN_CALLBACKS = ("transformers.trainer_callback", "transformers.integrations")   # never read parameters
 _GRADIENT_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")   # stock holds the mean gradient there
@@ -225,7 +225,7 @@ def save_optimizer(trainer, output_dir: str) -> None:
 
     The file is the one the stock Trainer writes, layout-free: resuming on another process count
     or bucket cap, or with the stock Trainer, loads it; the sharded optimizer's ``load_state_dict``
-    cuts it into this rank's slices (`gradsync.shard_state`).
+    cuts it into this rank's slices (`gradsync.sharded.state`).
     """
     from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME, reissue_pt_warnings
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from hfstream.gradsync import GradSync, collectives
+from hfstream.gradsync import GradSync
+from hfstream.gradsync.sharded import collectives
 from hfstream.testing import run_on_ranks
 
 STEPS = 3

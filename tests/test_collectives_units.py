@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfstream.gradsync import collectives
+from hfstream.gradsync.sharded import collectives
 
 
 @pytest.mark.parametrize("backend, local", [("gloo", True), ("GLOO", True), ("nccl", False), ("mpi", False)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hfstream import streams
-from hfstream.gradsync.sharded import ShardedReduction
+from hfstream.gradsync.sharded.reduction import ShardedReduction
 
 
 def _packed_bucket(n_params=3):
@@ -39,7 +39,7 @@ def test_sharded_pack_on_the_current_stream_records_nothing(monkeypatch):
 
 
 def test_shard_state_reads_per_parameter_state_without_a_host_read_per_piece(monkeypatch):
-    from hfstream.gradsync import shard_state
+    from hfstream.gradsync.sharded import state as shard_state
     tensors = [torch.zeros(2) for _ in range(3)]
     pieces = [SimpleNamespace(slot=i) for i in range(3)]
     sh = SimpleNamespace(params=tensors, pieces=pieces, tensors=tensors, master=torch.zeros(1))
@@ -68,7 +68,7 @@ def _pieces_of(full_grads, cuts):
 
 @pytest.mark.parametrize("cuts", [(1, 1), (7, 7), (1, 7)])
 def test_sharded_clip_takes_at_most_two_fused_norm_calls_whatever_the_number_of_pieces(monkeypatch, cuts):
-    from hfstream.gradsync import shard_optim
+    from hfstream.gradsync.sharded import optim as shard_optim
     monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
     calls = {"foreach": 0, "vector": 0}
     real_foreach, real_vector = torch._foreach_norm, torch.linalg.vector_norm
@@ -84,7 +84,7 @@ def test_sharded_clip_takes_at_most_two_fused_norm_calls_whatever_the_number_of_
 
 
 def _stock_and_ours(max_norm, cuts, dtype=torch.float32):
-    from hfstream.gradsync import shard_optim
+    from hfstream.gradsync.sharded import optim as shard_optim
     torch.manual_seed(0)
     # 256x256: large enough that float32's own summation (stock's) and float64's rounded once differ
     full = [torch.randn(300, dtype=dtype), torch.randn(256, 256, dtype=dtype), torch.randn(1000, dtype=dtype) * 1e-3]
@@ -99,7 +99,7 @@ def _stock_and_ours(max_norm, cuts, dtype=torch.float32):
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])   # above and below the gradient's norm
 def test_sharded_clip_matches_stock_clip_grad_norm_on_the_whole_gradient(monkeypatch, max_norm):
-    from hfstream.gradsync import shard_optim
+    from hfstream.gradsync.sharded import optim as shard_optim
     monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
     full, whole, stock, pieces, ours = _stock_and_ours(max_norm, (5, 5, 3))
     # Every parameter cut: their norms come from float64 partial sums, equal to float32's rounding only.
@@ -115,7 +115,7 @@ def test_sharded_clip_matches_stock_clip_grad_norm_on_the_whole_gradient(monkeyp
 def test_sharded_clip_of_parameters_held_whole_is_stocks_bit_for_bit(monkeypatch, dtype):
     # Stock: one norm per parameter in the gradient's dtype, stacked in parameter order, then the norm
     # of that. The same here for every parameter a piece holds whole; with a cut one the rest stay so.
-    from hfstream.gradsync import shard_optim
+    from hfstream.gradsync.sharded import optim as shard_optim
     monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
     _, whole, stock, pieces, ours = _stock_and_ours(0.5, (1, 1, 1), dtype)
     assert ours.dtype == stock.dtype == dtype

@@ -57,7 +57,7 @@ def record_launches(sync_of):
     """
     import torch.distributed as dist
 
-    from hfstream.gradsync import collectives
+    from hfstream.gradsync.sharded import collectives
 
     events = []
     reduce_scatter, all_gather, broadcast = (collectives.launch_reduce_scatter, collectives.launch_all_gather,

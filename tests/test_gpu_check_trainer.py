@@ -64,7 +64,7 @@ def test_part_5_fails_when_the_gradients_travel_in_fp32(overlap_only, monkeypatc
 
 
 def test_part_5_fails_when_the_sharded_clip_does_not_clip(sharded_only, monkeypatch):
-    from hfstream.gradsync.sharded import ShardedReduction
+    from hfstream.gradsync.sharded.reduction import ShardedReduction
 
     clip = ShardedReduction.clip_grad_norm_
 
@@ -78,7 +78,7 @@ def test_part_5_fails_when_the_sharded_clip_does_not_clip(sharded_only, monkeypa
 
 
 def test_part_5_fails_when_a_re_plan_drops_the_optimizer_state(sharded_only, monkeypatch):
-    from hfstream.gradsync import shard_state
+    from hfstream.gradsync.sharded import state as shard_state
 
     carry_over = shard_state.carry_over
 

@@ -54,7 +54,7 @@ def test_default_device_keeps_the_device_the_script_or_accelerate_set(four_gpus,
 
 
 def gather_objects_suite(rank, world_size):
-    from hfstream.gradsync import shard_state
+    from hfstream.gradsync.sharded import state as shard_state
 
     def no_object_collective(*a, **k):
         raise AssertionError("all_gather_object stages on the current CUDA device")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from hfstream.gradsync.param_waits import ForwardWaits, is_compiled
+from hfstream.gradsync.sharded.param_waits import ForwardWaits, is_compiled
 
 
 def _hooks(model):

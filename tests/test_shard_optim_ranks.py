@@ -33,7 +33,7 @@ def _pieces(rank):
 
 
 def clip_across_ranks(rank, world_size):
-    from hfstream.gradsync.shard_optim import clip_grad_norm_
+    from hfstream.gradsync.sharded.optim import clip_grad_norm_
 
     out = {}
     for norm_type in (2.0, math.inf):
@@ -78,7 +78,7 @@ def test_the_clip_takes_every_ranks_gradients_as_stock_takes_them_all(run_distri
 
 def clip_as_a_parameter_thaws(rank, world_size):
     """Parameter 2 (rank 1's, the largest gradient) has none in step 0 and one in step 1."""
-    from hfstream.gradsync.shard_optim import clip_grad_norm_
+    from hfstream.gradsync.sharded.optim import clip_grad_norm_
 
     out = []
     for frozen in (True, False):

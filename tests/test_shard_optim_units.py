@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hfstream.gradsync.shard_optim import DECLARATION, check_norm_type, declared_elementwise
+from hfstream.gradsync.sharded.optim import DECLARATION, check_norm_type, declared_elementwise
 
 
 class Declared(torch.optim.SGD):
@@ -47,7 +47,7 @@ def test_a_norm_that_is_not_positive_is_refused_by_name(norm_type):
                                               ((), False)])
 def test_only_an_optimizer_with_both_train_and_eval_is_taken_for_schedule_free(methods, refused):
     # Schedule-free optimizers swap the weights in train()/eval(); one method alone is something else.
-    from hfstream.gradsync.shard_optim import check_elementwise
+    from hfstream.gradsync.sharded.optim import check_elementwise
 
     cls = type("Opt", (Declared,), {m: (lambda self: None) for m in methods})
     optimizer = cls([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
@@ -84,7 +84,7 @@ def test_the_sharded_clip_of_a_mixed_dtype_model_is_stocks_bit_for_bit(monkeypat
     # Stock: each norm in its gradient's dtype, grouped by dtype, stacked in the promoted dtype
     # (float32). With the bfloat16 gradients cut into pieces, their norms come from float64 sums,
     # rounded as torch rounds its own: the same bits here.
-    from hfstream.gradsync import shard_optim
+    from hfstream.gradsync.sharded import optim as shard_optim
     monkeypatch.setattr(shard_optim.dist, "all_reduce", lambda *a, **k: None)
     full = _mixed_gradients()
     whole = [torch.zeros_like(g) for g in full]

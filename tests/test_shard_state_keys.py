@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 
 def agree_with_an_empty_rank(rank, world_size):
-    from hfstream.gradsync.shard_state import _agree_on_keys
+    from hfstream.gradsync.sharded.state import _agree_on_keys
 
     piece = torch.zeros(3)
     opt = types.SimpleNamespace(state={})

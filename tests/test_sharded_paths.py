@@ -53,7 +53,7 @@ class ReduceScatterWork:
 
 
 def reduce_paths(rank, world_size):
-    from hfstream.gradsync import collectives
+    from hfstream.gradsync.sharded import collectives
 
     out = {"local": train_parity(rank, world_size, bucket_mb=CAPS["several"]),
            "local_bf16": train_parity(rank, world_size, bucket_mb=CAPS["several"], comm_dtype="bf16")}
@@ -90,7 +90,8 @@ class CountedWork:
 
 
 def waits_and_pieces(rank, world_size):
-    from hfstream.gradsync import GradSync, collectives, faults, sharded
+    from hfstream.gradsync import GradSync, faults
+    from hfstream.gradsync.sharded import collectives, reduction as sharded
 
     out = {}
     for enforced in (False, True):

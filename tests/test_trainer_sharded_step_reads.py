@@ -38,7 +38,7 @@ class ReadsGrad(StreamTrainer):
 
 
 def _two_steps(rank, world_size, tmp):
-    from hfstream.gradsync.sharded import ShardedReduction
+    from hfstream.gradsync.sharded.reduction import ShardedReduction
 
     gathers = [0]
     real = ShardedReduction.gather_gradients

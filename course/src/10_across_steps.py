@@ -445,7 +445,7 @@ assert all(0.4 < s < 0.6 for s in state_share), state_share
 # `ParamGather.launch()` started the gathers after `optimizer.step()` had stepped *every* slice.
 # But bucket 0's gather needs only bucket 0's slice: while the optimizer steps the slices of
 # buckets 1, 2, …, the link could already carry bucket 0. That is what `GradSync(mode="sharded")`
-# does (its "[Note: pipelined step]" in `hfstream/gradsync/sharded.py`): it steps the optimizer
+# does (its "[Note: pipelined step]" in `hfstream/gradsync/sharded/reduction.py`): it steps the optimizer
 # bucket by bucket in forward order and launches each bucket's all-gather as soon as that
 # bucket's slice is stepped, so the step itself hides under the gathers, except its first slice.
 #

@@ -4,7 +4,7 @@
 `plan_buckets` is the bucket planner it uses (pure, usable on its own to inspect a plan);
 `BucketTuner` chooses the bucket cap online under ``bucket_mb="auto"``. ``mode="sharded"``
 reduce-scatters instead and steps each rank's slice with ``GradSync.shard_optimizer``
-(`sharded`, `shard_optim`; docs/design.md section 7).
+(the `sharded` sub-package; docs/design.md section 7).
 """
 
 from .buckets import DDP_BUCKET_MB, Bucket, format_plan, plan_buckets

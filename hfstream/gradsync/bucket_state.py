@@ -19,7 +19,7 @@ import torch
 from .buckets import Bucket
 
 if TYPE_CHECKING:
-    from .shard_layout import BucketShard
+    from .sharded.layout import BucketShard
 
 
 class Phase(enum.Enum):

@@ -6,7 +6,7 @@ order, bounded waits, statistics. How a ready bucket's gradients are combined ac
 
     AllReduce           mode="overlap" (launched from the hooks) and "serial" (from finish()):
                         every rank ends with the whole mean gradient in ``.grad``
-    ShardedReduction    mode="sharded" (`sharded`): reduce-scatter, so each rank ends with the
+    ShardedReduction    mode="sharded" (`sharded.reduction`): reduce-scatter, so each rank ends with the
                         mean of its slice; it also shards the optimizer and all-gathers the
                         updated parameters after the step
 

@@ -47,7 +47,8 @@ import torch
 import torch.distributed as dist
 
 from .. import streams
-from . import broadcast, faults, registry, shard_optim
+from . import broadcast, faults, registry
+from .sharded import optim as shard_optim
 from .agreement import any_rank
 from .broadcast import broadcast_from_rank0
 from .bucket_state import BucketState, Phase
@@ -57,7 +58,7 @@ from .eager import ModelHook, eager_hook
 from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
 from .overlap_check import OverlapCheck
 from .reduction import AllReduce, Reduction, Wiring
-from .sharded import ShardedReduction
+from .sharded.reduction import ShardedReduction
 from .stats import StatsRecorder, SyncStats
 from .planning import Planner
 from .tune import BucketTuner, TuningResult
@@ -447,7 +448,7 @@ class GradSync:
         """Make ``optimizer`` (over the model's parameters) hold and step this rank's slices; returns it.
 
         Converted in place (class, groups, hyperparameters and any state it has stay); its ``step()``
-        launches the all-gathers. One sharded by a closed GradSync of the model is re-cut (`shard_optim`).
+        launches the all-gathers. One sharded by a closed GradSync of the model is re-cut (`sharded.optim`).
         """
         return self.reduction.shard_optimizer(optimizer, self.mode)
 
@@ -462,7 +463,7 @@ class GradSync:
         return self.reduction.grad_norms()
 
     def optimizer_state_dict(self, keep: bool = True) -> dict | None:
-        """``mode="sharded"``: the unsharded optimizer's layout-free ``state_dict()`` (a collective; `shard_state`)."""
+        """``mode="sharded"``: the unsharded optimizer's layout-free ``state_dict()`` (a collective; `sharded.state`)."""
         return self.reduction.optimizer_state_dict(keep)
 
     def wait_for_params(self) -> None:

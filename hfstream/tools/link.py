@@ -252,11 +252,11 @@ class SimulatedLink:
 
         Code that calls ``dist.all_reduce`` etc. at run time (GradSync, a DDP comm hook, a learner's
         function) is then delayed, and so is hfstream's sharded all-gather, whose primitive
-        `hfstream.gradsync.collectives` looks up once at import. Code that imported a function
+        `hfstream.gradsync.sharded.collectives` looks up once at import. Code that imported a function
         object before the block (``from torch.distributed import all_reduce``) and DDP's built-in
         C++ reducer are not.
         """
-        from hfstream.gradsync import collectives
+        from hfstream.gradsync.sharded import collectives
 
         names = tuple(ops) or tuple(OPS)
         unknown = [n for n in names if n not in OPS]

@@ -34,7 +34,7 @@ class _PreallocatedReduceScatter:
         self.buffers = {}
 
     def __call__(self, flat: torch.Tensor) -> torch.Tensor:
-        from hfstream.gradsync import collectives
+        from hfstream.gradsync.sharded import collectives
 
         n = dist.get_world_size()
         if flat.numel() not in self.buffers:

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hfstream.gradsync import collectives
+from hfstream.gradsync.sharded import collectives
 from hfstream.testing import run_on_ranks
 
 

@@ -55,7 +55,7 @@ def one_rank_sizes(quick: bool, on_cpu: bool) -> dict:
 def one_rank_grad_sync():
     """The test-only GradSync class that stays active on a one-rank process group (see the module docstring)."""
     from hfstream import GradSync
-    from hfstream.gradsync import shard_optim, shard_state
+    from hfstream.gradsync.sharded import optim as shard_optim, state as shard_state
 
     class OneRankGradSync(GradSync):
         """Test-only: GradSync active at world size 1, so its collectives run on one device."""

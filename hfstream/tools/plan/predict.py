@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.gradsync.buckets import MiB
-from hfstream.gradsync.sharded import ShardedReduction
+from hfstream.gradsync.sharded.reduction import ShardedReduction
 from hfstream.report.schedule import overlap_exposed, sharded_step
 from hfstream.report.timeline import cross_step_limit
 

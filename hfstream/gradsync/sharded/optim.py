@@ -1,7 +1,7 @@
 """The sharded optimizer and global-norm clipping for ``GradSync(mode="sharded")``.
 
 `shard_optimizer` converts an optimizer built normally over the model's parameters so that it
-holds this rank's pieces (`shard_layout`) instead: the same object, class, hyperparameters and
+holds this rank's pieces (`layout`) instead: the same object, class, hyperparameters and
 param groups (weight decay and per-group learning rates keep working, an LR scheduler built on
 it before or after keeps working), but its parameters are flat piece tensors, one per part of a
 parameter in this rank's slice, so its state is about 1/N of the unsharded optimizer's.
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from . import shard_state
+from . import state as shard_state
 
 # The torch optimizers whose update of an element reads only that element's gradient and state
 # (a subclass counts: transformers and PEFT subclass these without changing the update).

@@ -1,7 +1,7 @@
 """The sharded optimizer's state across layouts: a re-plan, a checkpoint, another process count.
 
 A sharded optimizer's state is cut by the bucket layout: each piece tensor is one rank's part of
-one parameter (`shard_layout.Piece`), so its state means nothing under another plan, rank or
+one parameter (`layout.Piece`), so its state means nothing under another plan, rank or
 world size. Everything that must outlive a layout goes through the *whole* form instead, per
 model parameter, which is the format ``torch.optim.Optimizer.state_dict()`` of the unsharded
 optimizer has:
@@ -201,7 +201,7 @@ def carry_over(optimizer, old_states, new_buckets, group, world_size: int, retir
     are never both whole (at most one old bucket's worth more than one layout is in memory).
 
     Args:
-        new_buckets: per new bucket, ``(parameters, this rank's pieces)`` (`shard_layout.slices_of`).
+        new_buckets: per new bucket, ``(parameters, this rank's pieces)`` (`layout.slices_of`).
         retire: called with each old `BucketState` once nothing more is read from it.
 
     Returns:

@@ -54,7 +54,7 @@ def offsets_of(numels: list[int]) -> list[int]:
 def slices_of(numels: list[int], world_size: int, rank: int) -> tuple[list[int], int, list["Piece"]]:
     """A bucket's geometry, without a buffer: each parameter's offset, elements per rank, ``rank``'s pieces.
 
-    A re-plan cuts the new buckets' pieces with it before any new buffer exists (`shard_state.carry_over`).
+    A re-plan cuts the new buckets' pieces with it before any new buffer exists (`state.carry_over`).
 
     >>> slices_of([3, 4], world_size=2, rank=1)
     ([0, 3], 4, [Piece(slot=1, start=0, end=3, param_start=1, param_end=4)])

@@ -3,11 +3,11 @@
 An all-reduce is a reduce-scatter followed by an all-gather of the same bytes. ``GradSync(model,
 mode="sharded")`` launches only the first half from the gradient hooks, so each rank ends
 ``finish()`` holding the mean gradient of its own 1/N slice of every bucket; its optimizer
-(`shard_optim`) keeps state for and steps that slice alone (ZeRO-1), and the second half, the
+(`optim`) keeps state for and steps that slice alone (ZeRO-1), and the second half, the
 all-gather of the updated slices, runs after the step, hidden behind the next forward
 (Megatron-LM's distributed optimizer with ``--overlap-grad-reduce --overlap-param-gather``).
 
-Where the data goes, per bucket (`shard_layout.BucketShard`):
+Where the data goes, per bucket (`layout.BucketShard`):
 
     backward     `pack`: each gradient / N into the bucket's flat buffer (padded to a multiple
                  of N; the model's ``.grad`` is released, the buffer holds it now)
@@ -18,7 +18,7 @@ Where the data goes, per bucket (`shard_layout.BucketShard`):
                  the optimizer updates ``master``; a post-hook launches the all-gathers (`step_done`)
     forward      a pre-hook on the first module that reads a bucket waits for it (`param_waits`,
                  `wait_bucket`); the parameters are views of the gathered buffer, so the
-                 gather wrote them in place (`shard_layout`)
+                 gather wrote them in place (`layout`)
 
 Between the step and the next forward the parameters are stale; whatever reads them there
 (`wait_for_params`; ``state_dict`` does it by itself; the Trainer for callbacks and
@@ -32,13 +32,14 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from .. import streams
-from . import collectives, faults, shard_optim, shard_state
-from .bucket_state import BucketState, Phase
-from .eager import ModelHook
+from hfstream import streams
+from .. import faults
+from . import collectives, optim as shard_optim, state as shard_state
+from ..bucket_state import BucketState, Phase
+from ..eager import ModelHook
 from .param_waits import ForwardWaits
-from .reduction import Reduction, Wiring, check_dense
-from .shard_layout import BucketShard, slices_of
+from ..reduction import Reduction, Wiring, check_dense
+from .layout import BucketShard, slices_of
 
 
 class ShardedReduction(Reduction):
@@ -125,7 +126,7 @@ class ShardedReduction(Reduction):
         parameters plus this rank's slices and state; building the new one whole while the old
         one is alive would need that twice at every arrival-order re-plan and every
         ``bucket_mb="auto"`` candidate. So the new buckets are cut first without buffers
-        (`shard_layout.slices_of`), each old bucket's gradient slices and optimizer state move to
+        (`layout.slices_of`), each old bucket's gradient slices and optimizer state move to
         the new pieces (held per piece, the same bytes) and the old bucket is freed at once, its
         parameters back in storage of their own (`BucketShard.release`); then the new buckets
         are built one by one, each taking its parameters into its gathered buffer and freeing
@@ -156,7 +157,7 @@ class ShardedReduction(Reduction):
         return shard_optim.shard_optimizer(self, optimizer)
 
     def attach(self, optimizer, group_of: list[int], whole: dict | None = None) -> None:
-        """Shard ``optimizer`` (checked by `shard_optim`): pieces, its param groups, the hooks, its state.
+        """Shard ``optimizer`` (checked by `optim`): pieces, its param groups, the hooks, its state.
 
         ``whole``: state it had before (the unsharded form), cut into this rank's pieces.
         """
@@ -172,7 +173,7 @@ class ShardedReduction(Reduction):
         self._handles += [
             optimizer.register_step_pre_hook(self._before_step),
             optimizer.register_step_post_hook(self._after_step),
-            # Checkpoints in the whole, layout-free form load by themselves (shard_state).
+            # Checkpoints in the whole, layout-free form load by themselves (`state`).
             optimizer.register_state_dict_post_hook(lambda _opt, sd: shard_state.mark_local(sd, self._layout())),
             optimizer.register_load_state_dict_pre_hook(
                 lambda opt, sd: shard_state.whole_to_local(opt, sd, self.states, self._layout())),
@@ -395,7 +396,7 @@ class ShardedReduction(Reduction):
         class's step without the hooks: ``__wrapped__``), and each bucket's all-gather is
         launched as soon as its pieces are updated, so the gathers overlap the rest of the
         step. The step proper then finds empty param groups; the post-hook puts them back. For
-        an elementwise optimizer (the only kind `shard_optim` accepts) stepping the pieces in
+        an elementwise optimizer (the only kind `optim` accepts) stepping the pieces in
         several calls is the same arithmetic as in one (tested: equal parameters). With a
         closure the step runs in one call and the gathers follow it.
         """

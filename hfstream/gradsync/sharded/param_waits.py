@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .eager import eager_hook
+from ..eager import eager_hook
 
 
 def is_compiled(model: torch.nn.Module) -> bool:
