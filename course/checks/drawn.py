@@ -1,6 +1,14 @@
-"""Drawn cases for the gradient-sync exercises of lessons 05 and 06: a seeded generator of small
-models (frozen parameters, a rank that skips a parameter, gradients that arrive out of launch order,
-2 to 4 ranks), and one step of a learner's sync run on thread ranks that reads every rank.
+"""Drawn cases: a check states the property an exercise must hold and tests it on cases drawn from
+a seeded generator, not only on the cases its author chose; the first case that fails is shrunk to
+a small one, which the hint shows (the input and what the learner's code did, never the answer).
+
+`falsify` is that loop for every lesson: ``prop(case)`` returns None while the property holds, else
+what went wrong on that case; ``smaller(case)`` offers smaller cases from the same space (fewer ranks,
+shorter sources, rounder numbers), tried in order, and the smallest that still fails is kept.
+
+The rest of this module is the space of lessons 05 and 06: a seeded generator of small models (frozen
+parameters, a rank that skips a parameter, gradients that arrive out of launch order, 2 to 4 ranks),
+and one step of a learner's sync run on thread ranks that reads every rank.
 
 The properties the checks state on these cases:
 
@@ -30,6 +38,94 @@ import torch.distributed as dist
 import torch.nn as nn
 
 RUNAWAY_CALLS = 10_000
+
+
+# =============================================================================================
+# Drawing and shrinking, for every lesson
+# =============================================================================================
+@dataclass
+class Counterexample:
+    """The smallest failing case `falsify` found.
+
+    Args:
+        case: the case, after shrinking.
+        message: what went wrong on it (``prop``'s answer).
+        index: which drawn case failed first (1-based).
+        drawn: how many cases were drawn in all.
+        shrunk: whether ``case`` is smaller than the drawn one.
+    """
+
+    case: object
+    message: str
+    index: int
+    drawn: int
+    shrunk: bool
+
+    def __str__(self) -> str:
+        where = (f"drawn case {self.index} of {self.drawn}, shrunk to a smallest one that still fails"
+                 if self.shrunk else f"drawn case {self.index} of {self.drawn}")
+        return f"{self.message} [{where}]"
+
+
+def falsify(cases, prop, smaller=None, budget: int = 60, kind=None) -> Counterexample | None:
+    """The first case of ``cases`` for which ``prop`` fails, shrunk; None when the property holds on all.
+
+    Args:
+        cases: the drawn cases, in order.
+        prop: ``prop(case) -> None`` when the property holds, else a message naming what went wrong.
+            An exception it raises counts as a failure, named by its type and message.
+        smaller: ``smaller(case)`` yields smaller cases, smallest first; each one that still fails
+            replaces the case, and shrinking starts again from it.
+        budget: at most this many calls of ``prop`` while shrinking (a check's time stays bounded).
+        kind: ``kind(message)``: a smaller case replaces the case only when it fails the same way (the same
+            kind), so that shrinking keeps the mistake it found and does not wander to another.
+    """
+    cases = list(cases)
+
+    def fails(case) -> str | None:
+        try:
+            return prop(case)
+        except Exception as exc:    # noqa: BLE001 - the learner's code raised on this case: that is a failure
+            return f"{type(exc).__name__}: {exc}"
+
+    for index, case in enumerate(cases, 1):
+        message = fails(case)
+        if message is None:
+            continue
+        shrunk, calls, progress = False, 0, smaller is not None
+        while progress and calls < budget:
+            progress = False
+            for candidate in smaller(case):
+                if calls >= budget:
+                    break
+                calls += 1
+                why = fails(candidate)
+                if why is not None and (kind is None or kind(why) == kind(message)):
+                    case, message, shrunk, progress = candidate, why, True, True
+                    break
+        return Counterexample(case, message, index, len(cases), shrunk)
+    return None
+
+
+def after_colon(message: str) -> str:
+    """The diagnosis of a message written ``"what the code did: what is wrong"`` (a `falsify` kind)."""
+    return message.split(": ", 1)[-1]
+
+
+def simpler_numbers(values: tuple, keep=lambda values: True):
+    """Smaller tuples of numbers: one value at a time replaced by 0, 1, 2, 5, 10 or itself rounded (those below
+    it), first positions first; ``keep`` filters out those that leave the space (a part that must be > 0)."""
+    for i, v in enumerate(values):
+        for small in (0.0, 1.0, 2.0, 5.0, 10.0, float(round(v))):
+            if abs(small) < abs(v) and small != v:
+                out = values[:i] + (type(v)(small) if isinstance(v, int) else small,) + values[i + 1:]
+                if keep(out):
+                    yield out
+
+
+def world_sizes_below(n: int):
+    """Fewer ranks: 2, then 3, below ``n``."""
+    return [w for w in (2, 3) if w < n]
 
 
 @dataclass

@@ -14,10 +14,12 @@ import dataclasses
 import importlib
 import math
 import queue
+import random
 import statistics
 import threading
 import time
 
+from course.checks.drawn import after_colon, falsify, simpler_numbers
 from course.grading import Exercise, Wrong
 
 
@@ -124,6 +126,148 @@ def _not_the_course_checker(learner):
         raise Wrong("that is the course's own checker from course.checks; the exercise is to write yours")
 
 
+def _resolve(spec: str):
+    """``(owner, attribute name, value)`` of the last step of a dotted name the installed packages have, or
+    None (a module itself, or no such name)."""
+    parts = spec.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        owner, attr = None, None
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return None
+            owner, obj = obj, getattr(obj, attr)
+        return None if owner is None else (owner, attr, obj)
+    return None
+
+
+def _kind(spec: str) -> str:
+    """What makes a real dotted name hard to find: "falsy" (its value is None, False, 0 or empty),
+    "inherited" (a class gets it from a base: not in the class's own ``vars()``) or "plain"."""
+    found = _resolve(spec)
+    if found is None:
+        return "plain"
+    owner, attr, value = found
+    try:
+        falsy = not value
+    except Exception:       # noqa: BLE001 - a value without a truth value is not falsy
+        falsy = False
+    if falsy:
+        return "falsy"
+    if isinstance(owner, type) and attr not in vars(owner):
+        return "inherited"
+    return "plain"
+
+
+# One real name of each kind: the learner's answer on the plain one tells a missed kind from a wrong split.
+PROBES = {"plain": "torch.nn.Linear.forward", "inherited": "torch.nn.Linear.register_forward_hook",
+          "falsy": "torch.nn.Module.dump_patches"}
+
+
+def _base_of(owner: type, attr: str) -> str:
+    return next((b.__name__ for b in owner.__mro__[1:] if attr in vars(b)), "a base class")
+
+
+def _why_missed(learner, spec: str) -> str | None:
+    """Why the learner's checker answered False for a real dotted name, when its answers on the probes
+    tell: a falsy value taken for a missing name, or an inherited attribute looked up in the class's own
+    ``vars()``. None when the plain probe is missed too (the split into module and attributes is wrong)."""
+    kind = _kind(spec)
+    if kind == "plain" or not _ask(learner, PROBES["plain"]):
+        return None
+    owner, attr, value = _resolve(spec)
+    if kind == "falsy":
+        return (f"api_exists({spec!r}) returned False, but it exists: its value is {value!r}. A name whose value is "
+                f"None, False, 0 or empty is still a name: ask whether the attribute is there (hasattr), not "
+                f"whether its value is true")
+    return (f"api_exists({spec!r}) returned False, but {owner.__name__} has `{attr}`: it inherits it from "
+            f"{_base_of(owner, attr)}. vars() and __dict__ list only what a class defines itself; hasattr and "
+            f"getattr follow the bases, as Python's attribute lookup does")
+
+
+def _drawn_names(seed: int = 0, count: int = 12) -> list[str]:
+    """Dotted names drawn from the installed packages: real ones of each kind (a falsy value, an inherited
+    method, one a class defines itself) and invented ones built from them (a real owner, a made-up attribute)."""
+    import torch
+
+    rng = random.Random(seed)
+    owners = {"torch.nn.Module": torch.nn.Module, "torch.nn.Linear": torch.nn.Linear,
+              "torch.optim.AdamW": torch.optim.AdamW, "torch.utils.data.DataLoader": torch.utils.data.DataLoader,
+              "torch.version": torch.version, "torch.Tensor": torch.Tensor}
+    pools: dict[str, list[str]] = {"falsy": [], "inherited": [], "plain": []}
+    for name, owner in owners.items():
+        for attr in dir(owner):
+            if not attr.startswith("_"):
+                spec = f"{name}.{attr}"
+                pools[_kind(spec)].append(spec)
+    out = []
+    for k in range(count):
+        kind = ("falsy", "inherited", "plain", "invented")[k % 4]
+        if kind == "invented":
+            real = rng.choice(pools["plain"] + pools["inherited"])
+            head, attr = real.rsplit(".", 1)
+            made_up = rng.choice([f"{attr}_stream", f"stream_{attr}", f"{attr}_async", f"{attr}s"])
+            spec = f"{head}.{made_up}"
+            if _truth(spec):
+                continue
+        elif pools[kind]:
+            spec = rng.choice(pools[kind])
+        else:
+            continue
+        if spec not in out:
+            out.append(spec)
+    return out
+
+
+def _drawn_flags(seed: int = 0) -> list[str]:
+    """torchrun specs drawn from its parser: real flags (short and long, both spellings), the positional
+    arguments written as flags (not flags), and real flags cut short (not flags)."""
+    from torch.distributed.run import get_args_parser
+
+    rng = random.Random(seed)
+    actions = get_args_parser()._actions
+    options = [s for a in actions for s in a.option_strings if s not in ("-h", "--help")]
+    short = [s for s in options if not s.startswith("--")]
+    positional = [f"--{a.dest.replace('_', '-')}" for a in actions if not a.option_strings]
+    cut = [s[:s.index("-", 3)] for s in options if s.startswith("--") and "-" in s[3:]]
+    picks = [rng.choice(short), *rng.sample(options, 2), *positional, rng.choice(cut)]
+    return [f"torchrun {p}" for p in dict.fromkeys(picks)]
+
+
+def _drawn_fields(seed: int = 0, count: int = 6) -> list[str]:
+    """Fields of TrainingArguments and of its subclass Seq2SeqTrainingArguments (inherited fields, one whose
+    default comes from a factory), and names neither declares."""
+    import transformers
+
+    rng = random.Random(seed)
+    out = []
+    for cls in (transformers.TrainingArguments, transformers.Seq2SeqTrainingArguments):
+        names = [f.name for f in dataclasses.fields(cls)]
+        factory = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        out += [f"transformers.{cls.__name__}.{n}" for n in rng.sample(names, 1) + factory[:1]]
+        out.append(f"transformers.{cls.__name__}.{rng.choice(names)}_stream")
+    return list(dict.fromkeys(out))[:count]
+
+
+def _why_field_missed(spec: str) -> str | None:
+    """A field a subclass inherits from a base dataclass, looked up in the class's own annotations."""
+    import transformers
+
+    head, attr = spec.rsplit(".", 1)
+    cls = getattr(transformers, head.split(".")[-1], None)
+    if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+        return None
+    if attr in {f.name for f in dataclasses.fields(cls)} and attr not in cls.__dict__.get("__annotations__", {}):
+        base = next((b.__name__ for b in cls.__mro__[1:] if attr in b.__dict__.get("__annotations__", {})), "its base")
+        return (f"api_exists({spec!r}) returned False, but {cls.__name__} has that field: it inherits it from "
+                f"{base}. A class's own __annotations__ hold only the fields it declares itself; "
+                f"dataclasses.fields() lists every field, the inherited ones too")
+    return None
+
+
 real_apis = Exercise("00.real_apis", uses=["api_exists"], title="write the API checker, sort the claims")
 
 
@@ -132,28 +276,39 @@ real_apis = Exercise("00.real_apis", uses=["api_exists"], title="write the API c
                      "attributes of it; a name nothing resolves is False, never an exception",
                 reveal=REVEAL_DOTTED)
 def _(learner):
+    """Property: on the lesson's dotted names and on names drawn from the installed packages (values that
+    are None or False, inherited methods, invented attributes of real classes), api_exists says what the
+    packages say."""
     _not_the_course_checker(learner)
-    for spec in DOTTED:
+    drawn = _drawn_names()
+    for spec in DOTTED + drawn:
         got, want = _ask(learner, spec), _truth(spec)
         if got == want:
             continue
+        why = _why_missed(learner, spec) if want else None
+        if why:
+            raise Wrong(why, reveal=REVEAL_DOTTED)
         if want:
             raise Wrong(f"api_exists({spec!r}) returned False, but the installed packages have it. Which of its "
                         f"parts is a module and which are attributes? `import_module` of the whole name fails "
                         f"when the last parts are a class and its method", reveal=REVEAL_DOTTED)
         raise Wrong(f"api_exists({spec!r}) returned True, but the installed packages have no such name: every "
                     f"part must resolve, not just the package", reveal=REVEAL_DOTTED)
-    return f"{len(DOTTED)} dotted names, {sum(map(_truth, DOTTED))} of them real"
+    return (f"{len(DOTTED)} dotted names, {sum(map(_truth, DOTTED))} of them real, and {len(drawn)} drawn from the "
+            f"installed packages")
 
 
 @real_apis.case("torchrun flags, read from torchrun's own argument parser",
                 hint="torchrun is `python -m torch.distributed.run`; its flags are what that module's "
                      "argument parser defines", reveal=REVEAL_TORCHRUN)
 def _(learner):
-    answers = {spec: _ask(learner, spec) for spec in TORCHRUN}
-    wrong = [s for s in TORCHRUN if answers[s] != _truth(s)]
+    """Property: for the lesson's flags and flags drawn from torchrun's parser (short flags, both spellings,
+    positional arguments written as flags, flags cut short), api_exists answers as the parser defines them."""
+    specs = TORCHRUN + [s for s in _drawn_flags() if s not in TORCHRUN]
+    answers = {spec: _ask(learner, spec) for spec in specs}
+    wrong = [s for s in specs if answers[s] != _truth(s)]
     if not wrong:
-        return f"{len(TORCHRUN)} flags"
+        return f"{len(specs)} flags ({len(specs) - len(TORCHRUN)} drawn from torchrun's parser)"
     if not any(answers.values()):
         raise Wrong("every torchrun flag came back False, even --nproc-per-node: a flag is not a Python "
                     "attribute. torchrun's flags are defined by an argparse parser in torch.distributed.run: "
@@ -167,6 +322,21 @@ def _(learner):
         raise Wrong("api_exists('torchrun --num_processes') returned True: that is `accelerate launch`'s flag; "
                     "torchrun's is --nproc-per-node. Read torchrun's parser, not a list of launch flags",
                     reveal=REVEAL_TORCHRUN)
+    from torch.distributed.run import get_args_parser
+
+    dests = {a.dest: bool(a.option_strings) for a in get_args_parser()._actions}
+    for s in wrong:          # the positional argument taken for a flag names the mistake best
+        name = s.split(maxsplit=1)[1].lstrip("-").replace("-", "_")
+        if answers[s] and dests.get(name) is False:
+            raise Wrong(f"api_exists({s!r}) returned True: `{name}` is one of torchrun's positional arguments (the "
+                        f"script and its arguments), which no flag sets. Compare with the flags the parser declares "
+                        f"(each action's option strings), not with the names it stores values under (its dest)",
+                        reveal=REVEAL_TORCHRUN)
+    flag = spec.split(maxsplit=1)[1]
+    if not answers[spec] and not flag.startswith("--"):
+        raise Wrong(f"api_exists({spec!r}) returned False, but {flag} is a real short flag of torchrun (one dash, "
+                    f"one letter): the parser lists it among that action's option strings, beside its long form",
+                    reveal=REVEAL_TORCHRUN)
     raise Wrong(f"api_exists({spec!r}) returned {answers[spec]}, torchrun's parser says {_truth(spec)}",
                 reveal=REVEAL_TORCHRUN)
 
@@ -175,10 +345,16 @@ def _(learner):
                 hint="TrainingArguments is a dataclass: a field is real when the dataclass declares it",
                 reveal=REVEAL_FIELDS)
 def _(learner):
-    for spec in FIELDS:
+    """Property: a field of a dataclass exists however its default is made and whichever class declares it
+    (TrainingArguments and its subclass Seq2SeqTrainingArguments, drawn); a name no dataclass declares does not."""
+    specs = FIELDS + [s for s in _drawn_fields() if s not in FIELDS]
+    for spec in specs:
         got, want = _ask(learner, spec), _truth(spec)
         if got == want:
             continue
+        why = None if got else _why_field_missed(spec)
+        if why:
+            raise Wrong(why, reveal=REVEAL_FIELDS)
         if spec.endswith(".include_for_metrics"):
             raise Wrong("api_exists('transformers.TrainingArguments.include_for_metrics') returned False, but "
                         "it is a field of TrainingArguments: its default is made by a factory, so the class "
@@ -190,7 +366,7 @@ def _(learner):
                         "package, not what you remember", reveal=REVEAL_FIELDS)
         raise Wrong(f"api_exists({spec!r}) returned {got}, the installed TrainingArguments says {want}",
                     reveal=REVEAL_FIELDS)
-    return f"{len(FIELDS)} fields"
+    return f"{len(specs)} fields ({len(specs) - len(FIELDS)} drawn)"
 
 
 @real_apis.case("`is_real` sorts the lesson's claims as the installed packages do",
@@ -229,31 +405,97 @@ def ideal_ms(d, f, b, c, o):
     return f + max(b, c) + o
 
 
+def _draw_breakdowns(seed: int = 0, count: int = 16) -> list[tuple]:
+    """``count`` breakdowns (data_wait, forward, backward, comm_busy, optimizer), whole ms, drawn in turn from four
+    regimes: comm shorter or longer than backward, a data wait shorter or longer than the whole rest of the step;
+    the optimizer sometimes longer than comm. No two parts tie, so each side of every max is taken."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        k = len(out)
+        f, b, o = rng.randint(2, 20), rng.randint(10, 60), rng.randint(1, 30)
+        c = rng.randint(1, b - 1) if k % 2 == 0 else rng.randint(b + 1, 2 * b + 5)
+        rest = f + max(b, c) + o
+        d = rng.randint(0, rest - 1) if k % 4 < 2 else rng.randint(rest + 1, 2 * rest)
+        parts = (float(d), float(f), float(b), float(c), float(o))
+        if len({d, f, b, c, o, f + b, c + o}) == 7:
+            out.append(parts)
+    return out
+
+
+def _ceiling_mistake(got: float, parts: tuple) -> str | None:
+    """What a wrong ceiling did on ``parts``, when it is a known mistake; None otherwise."""
+    d, f, b, c, o = parts
+    want = ideal_ms(*parts)
+    for value, why in (
+        (want + d, "you added data_wait: the next batch can be produced while this step computes, so the best step "
+                   "waits for no data at all"),
+        (max(d, want), "you let a data wait longer than the step set the ceiling: the ceiling is the best schedule, "
+                       "in which the batch was produced in time (rule 1), however long producing it takes today"),
+        (f + b + c + o, "you added comm_busy to backward: the link works *while* backward runs, so the two overlap "
+                        "and the step waits for the longer of them, max(backward, comm_busy), not their sum"),
+        (max(f + b, c) + o, "you let communication hide behind forward too: no gradient exists before backward "
+                            "starts, so forward cannot hide any of it"),
+        (f + b + o, "you left communication out: when the reductions need longer than backward the optimizer waits "
+                    "for them"),
+        (f + max(b + o, c), "you let the optimizer run while the link still reduces: it updates the weights with the "
+                            "averaged gradients, so it starts only once every reduction is done (rule 4)"),
+        (f + max(b, c + o), "you let the optimizer run beside backward: it needs backward to have ended (rules 2 and "
+                            "4), whatever the link is doing"),
+    ):
+        if math.isclose(got, value, rel_tol=1e-9) and not math.isclose(value, want, rel_tol=1e-9):
+            return why
+    return None
+
+
+def _ceiling_prop(learner):
+    def prop(parts):
+        got = learner.ceiling_ms(*parts)
+        if math.isclose(got, ideal_ms(*parts), rel_tol=1e-9):
+            return None
+        why = _ceiling_mistake(got, parts)
+        shown = ", ".join(f"{v:g}" for v in parts)
+        return f"ceiling_ms({shown}) returned {got:g}" + (f": {why}" if why else
+                                                           ": replay the four rules on this breakdown")
+    return prop
+
+
 @ceiling.case("the earliest end of the optimizer, from the rules of the timeline",
               hint="draw the timeline: which parts must follow one another, which may run beside another, "
                    "and which need not be in the step at all", reveal=REVEAL_CEILING)
 def _(learner):
-    for parts in _CASES:
-        got = learner.ceiling_ms(*parts)
-        want = ideal_ms(*parts)
-        if math.isclose(got, want, rel_tol=1e-9):
-            continue
-        d, f, b, c, o = parts
-        if math.isclose(got, want + d):
-            raise Wrong("you added data_wait: the next batch can be produced while this step computes, so "
-                        "the best step waits for no data at all", reveal=REVEAL_CEILING)
-        if math.isclose(got, f + b + c + o):
-            raise Wrong("you added comm_busy to backward: the link works *while* backward runs, so the two "
-                        "overlap and the step waits for the longer of them, max(backward, comm_busy), not "
-                        "their sum", reveal=REVEAL_CEILING)
-        if math.isclose(got, max(f + b, c) + o):
-            raise Wrong("you let communication hide behind forward too: no gradient exists before backward "
-                        "starts, so forward cannot hide any of it", reveal=REVEAL_CEILING)
-        if math.isclose(got, f + b + o):
-            raise Wrong(f"ceiling_ms{parts} left communication out: when the reductions need longer than backward "
-                        f"({c:g} > {b:g} ms) the optimizer waits for them", reveal=REVEAL_CEILING)
-        raise AssertionError(f"ceiling_ms{parts} returned {got}, expected {want}")
-    return "3 breakdowns"
+    """Property: ceiling_ms(d, f, b, c, o) is the earliest end of the optimizer the four rules allow, on the
+    lesson's breakdowns and on drawn ones where comm is shorter and longer than backward and the data wait
+    shorter and longer than the rest of the step."""
+    drawn = _draw_breakdowns()
+    found = falsify(_CASES + drawn, _ceiling_prop(learner),
+                    smaller=lambda parts: simpler_numbers(parts, keep=lambda p: all(v > 0 for v in p[1:])),
+                    kind=after_colon)
+    if found is None:
+        return f"{len(_CASES)} breakdowns and {len(drawn)} drawn"
+    message = str(found)
+    if _ceiling_mistake(learner.ceiling_ms(*found.case), found.case):
+        raise Wrong(message, reveal=REVEAL_CEILING)
+    raise AssertionError(message)
+
+
+def _efficiency_mistake(got: float, step: float, parts: tuple) -> str | None:
+    d, f, b, c, o = parts
+    want = ideal_ms(*parts) / step
+    for value, why in (
+        (1 / want, "you divided step by ideal: a step slower than its ceiling should score below 1"),
+        ((f + b + o) / step, "you divided the compute (forward + backward + optimizer) by the step: when the link "
+                             "needs longer than backward the ceiling is longer than the compute, and a step at its "
+                             "ceiling must score 1.0"),
+        ((d + f + b + c + o) / step, "you divided the sum of every part by the step: the ceiling overlaps the link "
+                                     "with backward and leaves the data wait out"),
+        (ideal_ms(f, b, c, o, d) / step, "you passed the parts to ceiling_ms in another order: its arguments are "
+                                         "(data_wait_ms, forward_ms, backward_ms, comm_busy_ms, optimizer_ms), "
+                                         "efficiency's after step_ms in that same order"),
+    ):
+        if math.isclose(got, value, rel_tol=1e-9) and not math.isclose(value, want, rel_tol=1e-9):
+            return why
+    return None
 
 
 @ceiling.case("efficiency = ideal / step",
@@ -261,12 +503,28 @@ def _(learner):
                    "less for a slower step", reveal="efficiency = ceiling_ms(...) / step_ms",
               after="the earliest end of the optimizer, from the rules of the timeline")
 def _(learner):
-    got = learner.efficiency(50.0, *_CASES[0])
-    want = ideal_ms(*_CASES[0]) / 50.0
-    if math.isclose(got, 1 / want):
-        raise Wrong("you divided step by ideal: a step slower than its ceiling should score below 1",
-                    reveal="efficiency = ceiling_ms(...) / step_ms")
-    assert math.isclose(got, want, rel_tol=1e-9), f"efficiency(50, ...) returned {got}, expected {want:.3f}"
+    """Property: efficiency(step, *parts) is the ceiling of those parts over the step, for drawn breakdowns and
+    steps from the ceiling itself (1.0) to three times it."""
+    rng = random.Random(1)
+    cases = [(50.0, _CASES[0])] + [(float(round(ideal_ms(*p) * rng.choice((1.0, 1.25, 1.5, 2.0, 3.0)))), p)
+                                   for p in _draw_breakdowns(seed=2, count=8)]
+
+    def prop(case):
+        step, parts = case
+        got = learner.efficiency(step, *parts)
+        if math.isclose(got, ideal_ms(*parts) / step, rel_tol=1e-9):
+            return None
+        why = _efficiency_mistake(got, step, parts)
+        return (f"efficiency({step:g}, {', '.join(f'{v:g}' for v in parts)}) returned {got:.4g}"
+                + (f": {why}" if why else ""))
+
+    found = falsify(cases, prop)
+    if found is None:
+        return f"{len(cases)} steps, {len(cases) - 1} of them drawn"
+    step, parts = found.case
+    if _efficiency_mistake(learner.efficiency(step, *parts), step, parts):
+        raise Wrong(str(found), reveal="efficiency = ceiling_ms(...) / step_ms")
+    raise AssertionError(str(found))
 
 
 # =============================================================================================
@@ -425,6 +683,16 @@ def _alternatives(schedule, d, f, b, c, o) -> list[tuple[float, str]]:
         (max(d, f + b + o), "the reduction can outlast backward, and the optimizer waits for it"),
         (max(d, f + c + o) if c < b else math.nan, "backward is compute: it takes its time even when the "
                                                    "reduction is shorter"),
+        (max(d, f + max(b, c)) + o, "you added the optimizer after the wait for data: the producer thread works "
+                                    "through the optimizer too, so a step is as long as the longer of the two "
+                                    "chains, producing a batch or the whole compute, optimizer included"),
+        (max(d, f + b + o) + max(0.0, c - b), "you added the reduction's exposed part after the wait for data: it "
+                                              "belongs to the compute chain, and the producer works while it runs"),
+        (f + c + o if c > b else math.nan, "when the reduction outlasts backward you left out the data: the step "
+                                           "still waits for the producer whenever a batch takes longer than the "
+                                           "whole compute chain"),
+        (max(d, f + b + o, c), "the reduction starts with backward, after forward, and the optimizer waits for "
+                               "it: it is not a chain of its own beside the whole compute"),
     ]
 
 
@@ -481,6 +749,23 @@ def _probe_parts(learner, name: str, schedule: str, parts) -> None:
                     reveal=REVEAL_PREDICT[schedule])
 
 
+def _part_mistake(learner, schedule: str, parts) -> str | None:
+    """`_probe_parts`' finding as a sentence without numbers (the same on every drawn case), or None."""
+    base = _call_predict(learner, schedule, parts)
+    grow = 100.0 * (sum(parts) + 1.0)
+    for k, part in enumerate(PARTS):
+        longer = list(parts)
+        longer[k] += grow
+        want = _right(schedule, *longer) - _right(schedule, *parts)
+        got = _call_predict(learner, schedule, longer) - base
+        if abs(got - want) <= 0.05 * grow:
+            continue
+        if abs(got) <= 0.05 * grow:
+            return PART_IGNORED[part]
+        return f"you count {part} about {got / grow:.0f} times, the step only once"
+    return None
+
+
 def _grade_scenario(learner, name: str) -> str:
     run = LAST_SCHEDULES.get("scenarios", {}).get(name)
     if run is None:
@@ -528,3 +813,49 @@ for _name in SCENARIOS:
                       "runs beside what? In steady state the step is as long as its slowest chain",
                  reveal=REVEAL_PREDICT[SCENARIOS[_name][0]], timeout=120.0)(
         lambda learner, _n=_name: _grade_scenario(learner, _n))
+
+
+def _draw_schedules(seed: int = 3, count: int = 16) -> list[tuple]:
+    """``(schedule, data, forward, backward, comm, optimizer)`` in whole ms, both schedules, each of the four
+    regimes in turn (data-bound or not, comm shorter or longer than backward), the optimizer sometimes the
+    longest compute part; no ties between the chains, so every side of every max is taken."""
+    rng = random.Random(seed)
+    out = []
+    while len(out) < count:
+        k = len(out)
+        f, b, o = rng.randint(2, 20), rng.randint(10, 50), rng.choice((rng.randint(1, 5), rng.randint(30, 60)))
+        c = rng.randint(1, b - 1) if k % 2 == 0 else rng.randint(b + 1, 2 * b)
+        chain = f + max(b, c) + o
+        d = rng.randint(1, chain - 1) if (k // 2) % 2 == 0 else rng.randint(chain + 1, 2 * chain)
+        if len({d, f + b + o, f + c + o, f + b, c + o}) == 5:
+            out.append(("serial" if k % 8 == 7 else "overlapped", float(d), float(f), float(b), float(c), float(o)))
+    return out
+
+
+@predict.case("drawn schedules: your prediction is the step of the schedule you described",
+              hint="replay one step on the described timeline: what does each part wait for, and what runs beside "
+                   "what? In steady state the step is as long as its slowest chain", timeout=30.0)
+def _(learner):
+    """Property: predict_step_ms(schedule, d, f, b, c, o) is the steady-state step of that schedule, on drawn
+    parts where the data is and is not the slowest chain, the reduction is shorter and longer than backward,
+    and the optimizer is small or the longest compute part; the measured cases above cannot reach all four."""
+    drawn = _draw_schedules()
+
+    def prop(case):
+        schedule, *parts = case
+        got = _call_predict(learner, schedule, parts)
+        if math.isclose(got, _right(schedule, *parts), rel_tol=1e-9, abs_tol=1e-9):
+            return None
+        why = (next((w for v, w in _alternatives(schedule, *parts) if math.isclose(got, v, rel_tol=1e-9)), None)
+               or _part_mistake(learner, schedule, parts))
+        d, f, b, c, o = parts
+        return (f"predict_step_ms({schedule!r}, data {d:g}, forward {f:g}, backward {b:g}, comm {c:g}, optimizer "
+                f"{o:g}) returned {got:g}: " + (why or "replay this step on its timeline"))
+
+    found = falsify(drawn, prop, kind=after_colon,
+                    smaller=lambda case: ((case[0], *p) for p in simpler_numbers(case[1:], keep=lambda p: min(p) > 0)))
+    if found is None:
+        return f"{len(drawn)} drawn schedules, each regime"
+    if "replay this step" in found.message:
+        raise AssertionError(str(found))
+    raise Wrong(str(found), reveal=REVEAL_PREDICT[found.case[0]])

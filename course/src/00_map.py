@@ -1,10 +1,11 @@
 # %% [markdown]
 # # Lesson 00 — The map
 #
-# **Time:** 40 minutes. **Runs on:** any laptop (CPU). **You will:** learn what "stream-based
-# training" really means, write the checker that sorts real APIs from invented ones by asking the
-# installed packages, derive what every later lesson is measured against (the step's *ceiling*),
-# and predict a real step's time before you measure it.
+# **Time:** 40 minutes. **Runs on:** any laptop (CPU). **You will:** derive what every later lesson
+# is measured against (the step's *ceiling*), predict a real step in four schedules (serial; data
+# and reduction overlapped with a short reduction, with a long one, and with slow data) before you
+# measure them against your predictions and their ceilings, and, last, write the checker that sorts
+# the real APIs behind "stream training" from invented ones by asking the installed packages.
 #
 # ## Three things a training step waits for
 #
@@ -20,104 +21,14 @@
 # time, and *events* order one stream after a point in another. "Stream-based training" is no more
 # (and no less) than keeping all three kinds of work busy at once: the next batch is copied while
 # this one computes, and each gradient bucket is averaged while backward still produces the next.
-#
-# Nothing new is needed from PyTorch for that. Every job has a real, documented API:
-#
-# | job | the real API |
-# |---|---|
-# | a side stream, and ordering between streams | `torch.cuda.Stream` / device-agnostic `torch.Stream`, `stream.wait_stream(other)`, `torch.Event` + `event.wait(stream)` |
-# | copies that do not block the host | `tensor.pin_memory()` then `tensor.to(device, non_blocking=True)` |
-# | keeping memory alive for another stream | `tensor.record_stream(stream)` |
-# | start a reduction and keep computing | `torch.distributed.all_reduce(t, async_op=True)` returns a `Work`; `work.wait()` later |
-# | know when a gradient is ready | `param.register_post_accumulate_grad_hook(fn)` |
-# | skip sync on accumulation steps | `DistributedDataParallel.no_sync()`; Accelerate's `accumulate` |
-# | bucket size | `DistributedDataParallel(bucket_cap_mb=...)`; Trainer's `ddp_bucket_cap_mb` |
-# | launch N processes | `torchrun --nproc-per-node N`, `accelerate launch --num_processes N` |
-#
-# ## The invented ones
-#
-# Popular write-ups about "stream training" cite APIs that **do not exist**:
-# `torch.distributed.stream`, a `--stream` flag of `torchrun`, `ncclStreamCreate`/`ncclStreamWait`,
-# Horovod's `--allreduce_batch_size`, a Trainer `stream_scheduler` argument, TensorRT-LLM
-# `stream_balance`, tf.data `stream_mode`. Code that calls them fails; advice built on them is
-# wrong. Do not take this lesson's word for it either, nor the table above: you are about to
-# write the tool that asks the installed packages.
-#
-# ## Exercise 00.real_apis — ask the packages, not the blog posts
-#
-# Write `api_exists(spec) -> bool`: does `spec` exist in the packages installed here? A spec
-# takes one of three shapes, and your function must handle all three:
-#
-# - **a dotted name**, `torch.Tensor.record_stream` or `torch.distributed.algorithms.join.Join`.
-#   Some leading parts name a module (something `importlib.import_module` accepts), the rest are
-#   attributes of it, one inside the other; you cannot tell where the module ends by looking at
-#   the name. It exists when some split resolves all the way.
-# - **`torchrun --flag`**. `torchrun` is `python -m torch.distributed.run`, and its flags are the
-#   ones that module's `argparse` parser defines (look for the function that builds it with
-#   `dir(torch.distributed.run)`). A flag exists when the parser defines exactly that flag.
-# - **a field of a dataclass**, `transformers.TrainingArguments.ddp_bucket_cap_mb`. Careful: a
-#   field whose default comes from a factory is not an attribute of the class, yet it is a real
-#   argument; the `dataclasses` module can list a dataclass's fields.
-#
-# A name that does not resolve, in any shape (a package that is not installed, a C function
-# that has no Python module) is an answer, `False`, never an exception. Then sort the lesson's
-# claims with it: `is_real` maps each claim to `True` or `False`.
-#
-# The check asks your function about more names than the ones below, and compares every
-# answer with the installed packages.
 
 # %%
 import contextlib, math, os, queue, threading, time
-import importlib, dataclasses
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.distributed as dist
 from course.lib import *
-
-CLAIMS = ["torch.cuda.Stream", "torch.Stream", "torch.Event", "torch.Tensor.record_stream",
-          "torch.Tensor.register_post_accumulate_grad_hook", "torch.distributed.all_reduce",
-          "torch.distributed.stream", "torch.nn.parallel.DistributedDataParallel.no_sync",
-          "torchrun --nproc-per-node", "torchrun --stream",
-          "transformers.TrainingArguments.ddp_bucket_cap_mb", "transformers.TrainingArguments.dataloader_pin_memory",
-          "transformers.TrainingArguments.stream_scheduler", "ncclStreamCreate", "tensorrt_llm.stream_balance"]
-
-
-def api_exists(spec):
-    """True when `spec` (a dotted name, `torchrun --flag`, or a dataclass field) exists in the installed packages."""
-    # BEGIN SOLUTION
-    if spec.startswith("torchrun "):
-        from torch.distributed.run import get_args_parser
-
-        flag = spec.split(maxsplit=1)[1]
-        return any(flag in action.option_strings for action in get_args_parser()._actions)
-    parts = spec.split(".")
-    for cut in range(len(parts), 0, -1):           # the longest prefix that imports is the module
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            if hasattr(obj, attr):
-                obj = getattr(obj, attr)
-            elif dataclasses.is_dataclass(obj) and attr in {f.name for f in dataclasses.fields(obj)}:
-                obj = None                          # a field with a factory default: no class attribute
-            else:
-                return False
-        return True
-    return False
-    # END SOLUTION
-
-
-# Sort the claims with your checker: is_real = {claim: True or False for each claim in CLAIMS}
-# BEGIN SOLUTION
-is_real = {spec: api_exists(spec) for spec in CLAIMS}
-# END SOLUTION
-for spec, real in is_real.items():
-    print(f"{'exists ' if real else 'MISSING'}  {spec}")
-
-# %%
-check("00.real_apis")
 
 # %% [markdown]
 # ## The ceiling
@@ -318,10 +229,104 @@ torch.accelerator.synchronize()
 print({name: round(marks[i].elapsed_time(marks[i + 1]), 3) for i, name in enumerate(["forward", "backward", "optimizer"])})
 
 # %% [markdown]
+# ## Real APIs, and invented ones
+#
+# Nothing new is needed from PyTorch for any of the schedules above. Every job has a real, documented
+# API:
+#
+# | job | the real API |
+# |---|---|
+# | a side stream, and ordering between streams | `torch.cuda.Stream` / device-agnostic `torch.Stream`, `stream.wait_stream(other)`, `torch.Event` + `event.wait(stream)` |
+# | copies that do not block the host | `tensor.pin_memory()` then `tensor.to(device, non_blocking=True)` |
+# | keeping memory alive for another stream | `tensor.record_stream(stream)` |
+# | start a reduction and keep computing | `torch.distributed.all_reduce(t, async_op=True)` returns a `Work`; `work.wait()` later |
+# | know when a gradient is ready | `param.register_post_accumulate_grad_hook(fn)` |
+# | skip sync on accumulation steps | `DistributedDataParallel.no_sync()`; Accelerate's `accumulate` |
+# | bucket size | `DistributedDataParallel(bucket_cap_mb=...)`; Trainer's `ddp_bucket_cap_mb` |
+# | launch N processes | `torchrun --nproc-per-node N`, `accelerate launch --num_processes N` |
+#
+# Popular write-ups about "stream training" cite APIs that **do not exist**:
+# `torch.distributed.stream`, a `--stream` flag of `torchrun`, `ncclStreamCreate`/`ncclStreamWait`,
+# Horovod's `--allreduce_batch_size`, a Trainer `stream_scheduler` argument, TensorRT-LLM
+# `stream_balance`, tf.data `stream_mode`. Code that calls them fails; advice built on them is
+# wrong. Do not take this lesson's word for it either, nor the table above: you are about to
+# write the tool that asks the installed packages.
+#
+# ## Exercise 00.real_apis — ask the packages, not the blog posts
+#
+# Write `api_exists(spec) -> bool`: does `spec` exist in the packages installed here? A spec
+# takes one of three shapes, and your function must handle all three:
+#
+# - **a dotted name**, `torch.Tensor.record_stream` or `torch.distributed.algorithms.join.Join`.
+#   Some leading parts name a module (something `importlib.import_module` accepts), the rest are
+#   attributes of it, one inside the other; you cannot tell where the module ends by looking at
+#   the name. It exists when some split resolves all the way.
+# - **`torchrun --flag`**. `torchrun` is `python -m torch.distributed.run`, and its flags are the
+#   ones that module's `argparse` parser defines (look for the function that builds it with
+#   `dir(torch.distributed.run)`). A flag exists when the parser defines exactly that flag.
+# - **a field of a dataclass**, `transformers.TrainingArguments.ddp_bucket_cap_mb`. Careful: a
+#   field whose default comes from a factory is not an attribute of the class, yet it is a real
+#   argument; the `dataclasses` module can list a dataclass's fields.
+#
+# A name that does not resolve, in any shape (a package that is not installed, a C function
+# that has no Python module) is an answer, `False`, never an exception. Then sort the lesson's
+# claims with it: `is_real` maps each claim to `True` or `False`.
+#
+# The check asks your function about more names than the ones below, and compares every
+# answer with the installed packages.
+
+# %%
+import importlib, dataclasses
+
+CLAIMS = ["torch.cuda.Stream", "torch.Stream", "torch.Event", "torch.Tensor.record_stream",
+          "torch.Tensor.register_post_accumulate_grad_hook", "torch.distributed.all_reduce",
+          "torch.distributed.stream", "torch.nn.parallel.DistributedDataParallel.no_sync",
+          "torchrun --nproc-per-node", "torchrun --stream",
+          "transformers.TrainingArguments.ddp_bucket_cap_mb", "transformers.TrainingArguments.dataloader_pin_memory",
+          "transformers.TrainingArguments.stream_scheduler", "ncclStreamCreate", "tensorrt_llm.stream_balance"]
+
+
+def api_exists(spec):
+    """True when `spec` (a dotted name, `torchrun --flag`, or a dataclass field) exists in the installed packages."""
+    # BEGIN SOLUTION
+    if spec.startswith("torchrun "):
+        from torch.distributed.run import get_args_parser
+
+        flag = spec.split(maxsplit=1)[1]
+        return any(flag in action.option_strings for action in get_args_parser()._actions)
+    parts = spec.split(".")
+    for cut in range(len(parts), 0, -1):           # the longest prefix that imports is the module
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if hasattr(obj, attr):
+                obj = getattr(obj, attr)
+            elif dataclasses.is_dataclass(obj) and attr in {f.name for f in dataclasses.fields(obj)}:
+                obj = None                          # a field with a factory default: no class attribute
+            else:
+                return False
+        return True
+    return False
+    # END SOLUTION
+
+
+# Sort the claims with your checker: is_real = {claim: True or False for each claim in CLAIMS}
+# BEGIN SOLUTION
+is_real = {spec: api_exists(spec) for spec in CLAIMS}
+# END SOLUTION
+for spec, real in is_real.items():
+    print(f"{'exists ' if real else 'MISSING'}  {spec}")
+
+# %%
+check("00.real_apis")
+
+# %% [markdown]
 # ## What you have now
 #
-# - the real API for each job, and your own checker for any claim, against the installed packages;
 # - the ceiling: `forward + max(backward, comm_busy) + optimizer`, which assumes the data keeps up;
-# - a prediction of a real step from its parts, tested against the measurement.
+# - a prediction of a real step from its parts, tested against the measurement;
+# - the real API for each job, and your own checker for any claim, against the installed packages.
 #
 # Next, lesson 01 measures a real Trainer step on one stream and draws where its time goes.

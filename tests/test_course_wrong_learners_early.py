@@ -1,0 +1,217 @@
+"""The grader's wrong learners for lessons 00-04 and 09 (issue 46): for every graded exercise, at least
+three plausible wrong answers (the kinds a learner writes: an off-by-one, a hard-coded world size, a
+median for a mean, a falsy value taken for a missing one, a span that exists but ends at the wrong
+time, a loader that never pauses or yields None, a gradient that is None). Each was shown wrong on an
+input outside the old checks (the comment above it says which), and each test asserts that the check
+now fails it with a first message naming the mistake, not blaming something the learner did right.
+The reference solutions pass the same cases.
+
+Only in-process cases run here (drawn cases, thread ranks, simulated devices, canned measurements),
+so the file takes seconds; the gloo and measured cases keep their own tests (test_course_lessonNN.py)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from course.grading import LEARNER_PREAMBLE, Learner, check, get_exercise, run_case, run_cell
+
+
+@pytest.fixture(autouse=True)
+def _progress_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFSTREAM_COURSE_PROGRESS", str(tmp_path / "progress.json"))
+
+
+def _changed(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, old
+    return source.replace(old, new)
+
+
+def _run(exercise: str, source: str, titles: list[str] | None = None) -> list:
+    """The results of ``exercise``'s cases (only those whose title starts with one of ``titles``) on
+    ``source``; a case whose ``after=`` failed above is skipped as in a real check."""
+    ns = run_cell(LEARNER_PREAMBLE + textwrap.dedent(source))
+    if titles is None:
+        return list(check(exercise, namespace=ns, quiet=True))
+    ex = get_exercise(exercise)
+    learner, out, failed = Learner(ns, ex), [], {}
+    for case in ex.cases:
+        if not any(case.title.startswith(t) for t in titles):
+            continue
+        above = next((t for t in failed if t in case.after), None)
+        r = run_case(ex, case, learner, 0, above, failed.get(above, ""))
+        if not r.passed:
+            failed[case.title] = r.message
+        out.append(r)
+    return out
+
+
+def _first(exercise: str, source: str, titles: list[str] | None = None) -> str:
+    results = _run(exercise, source, titles)
+    failing = [r for r in results if not r.passed]
+    assert failing, f"{exercise}: the wrong answer passed every case"
+    return failing[0].message
+
+
+def _passes(exercise: str, source: str, titles: list[str] | None = None) -> None:
+    results = _run(exercise, source, titles)
+    assert results and all(r.passed for r in results), [(r.case, r.message) for r in results if not r.passed]
+
+
+# (exercise, id, source, words the first message holds, words it must not hold, the cases to run)
+WRONG: list[tuple] = []
+RIGHT: dict[str, tuple[str, list[str] | None]] = {}
+
+
+def wrong(exercise, name, source, says, not_says=(), titles=None):
+    WRONG.append(pytest.param(exercise, source, says, not_says, titles, id=f"{exercise}:{name}"))
+
+
+# =============================================================================================== 00.real_apis
+API_RIGHT = """
+import importlib, dataclasses
+def api_exists(spec):
+    if spec.startswith("torchrun "):
+        from torch.distributed.run import get_args_parser
+        flag = spec.split(maxsplit=1)[1]
+        return any(flag in a.option_strings for a in get_args_parser()._actions)
+    parts = spec.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if hasattr(obj, attr):
+                obj = getattr(obj, attr)
+            elif dataclasses.is_dataclass(obj) and attr in {f.name for f in dataclasses.fields(obj)}:
+                obj = None
+            else:
+                return False
+        return True
+    return False
+CLAIMS = ["torch.Stream", "torch.distributed.stream"]
+is_real = {c: api_exists(c) for c in CLAIMS}
+"""
+RIGHT["00.real_apis"] = (API_RIGHT, None)
+# getattr(obj, attr, None) and "None means missing": torch.version.hip (None on a CPU or CUDA build) and
+# nn.Module.dump_patches (False) exist. The old check's names all had truthy values.
+wrong("00.real_apis", "falsy_value_taken_for_missing", _changed(API_RIGHT, """            if hasattr(obj, attr):
+                obj = getattr(obj, attr)
+            elif""", """            if getattr(obj, attr, None) is not None:
+                obj = getattr(obj, attr)
+            elif"""), ["exists: its value is", "hasattr"], ["module"])
+# vars(obj): only what a class defines itself; torch.Tensor.record_stream lives on TensorBase. The old check
+# failed it, blaming the split into module and attributes ("Which of its parts is a module").
+wrong("00.real_apis", "own_vars_only", _changed(API_RIGHT, """            if hasattr(obj, attr):
+                obj = getattr(obj, attr)""", """            if attr in vars(obj):
+                obj = vars(obj)[attr]"""), ["inherits it from", "vars()"], ["Which of its parts is a module"])
+# torchrun flags compared with each action's dest: `--training-script` (a positional argument) is taken for a
+# flag and `-r` is missed. The old check's flags all had a dest of the same name.
+wrong("00.real_apis", "torchrun_dest_not_option_strings", _changed(
+    API_RIGHT, "return any(flag in a.option_strings for a in get_args_parser()._actions)",
+    "return any(a.dest == flag.lstrip('-').replace('-', '_') for a in get_args_parser()._actions)"),
+    ["positional arguments", "option strings"])
+# A class's own __annotations__: Seq2SeqTrainingArguments inherits include_for_metrics (a factory default)
+# from TrainingArguments. The old check asked TrainingArguments only.
+wrong("00.real_apis", "fields_from_own_annotations", _changed(
+    API_RIGHT, "attr in {f.name for f in dataclasses.fields(obj)}", "attr in obj.__annotations__"),
+    ["inherits it from TrainingArguments", "dataclasses.fields()"])
+
+# =============================================================================================== 00.ceiling
+CEILING = """
+def ceiling_ms(data_wait_ms, forward_ms, backward_ms, comm_busy_ms, optimizer_ms):
+    return forward_ms + max(backward_ms, comm_busy_ms) + optimizer_ms
+
+def efficiency(step_ms, data_wait_ms, forward_ms, backward_ms, comm_busy_ms, optimizer_ms):
+    return ceiling_ms(data_wait_ms, forward_ms, backward_ms, comm_busy_ms, optimizer_ms) / step_ms
+"""
+RIGHT["00.ceiling"] = (CEILING, None)
+# The data-bound step's formula in the ceiling: right while the data wait is short, as in every old case.
+wrong("00.ceiling", "data_wait_sets_the_ceiling", _changed(
+    CEILING, "return forward_ms + max(backward_ms, comm_busy_ms) + optimizer_ms",
+    "return max(data_wait_ms, forward_ms + max(backward_ms, comm_busy_ms) + optimizer_ms)"),
+    ["data wait longer than the step set the ceiling"])
+# The optimizer overlapped with the link: right whenever comm is shorter than backward; the old check failed
+# it with "returned 45, expected 48".
+wrong("00.ceiling", "optimizer_beside_the_link", _changed(
+    CEILING, "return forward_ms + max(backward_ms, comm_busy_ms) + optimizer_ms",
+    "return forward_ms + max(backward_ms + optimizer_ms, comm_busy_ms)"),
+    ["optimizer run while the link still reduces"])
+# Efficiency as the compute's share of the step: equal to the right one whenever comm < backward (the old
+# check's only efficiency case).
+wrong("00.ceiling", "efficiency_as_compute_share", _changed(
+    CEILING, "return ceiling_ms(data_wait_ms, forward_ms, backward_ms, comm_busy_ms, optimizer_ms) / step_ms",
+    "return (forward_ms + backward_ms + optimizer_ms) / step_ms"), ["divided the compute"])
+# ceiling_ms called with the parts in another order: on the old case it happened to give the same 33 ms.
+wrong("00.ceiling", "efficiency_parts_shifted", _changed(
+    CEILING, "return ceiling_ms(data_wait_ms, forward_ms, backward_ms, comm_busy_ms, optimizer_ms) / step_ms",
+    "return ceiling_ms(forward_ms, backward_ms, comm_busy_ms, optimizer_ms, data_wait_ms) / step_ms"),
+    ["in another order"])
+
+# =============================================================================================== 00.predict
+PREDICT = """
+def predict_step_ms(schedule, data_ms, forward_ms, backward_ms, comm_ms, optimizer_ms):
+    if schedule == "serial":
+        return data_ms + forward_ms + backward_ms + comm_ms + optimizer_ms
+    return max(data_ms, forward_ms + max(backward_ms, comm_ms) + optimizer_ms)
+"""
+OVERLAPPED = "return max(data_ms, forward_ms + max(backward_ms, comm_ms) + optimizer_ms)"
+RIGHT["00.predict"] = (PREDICT, None)
+# The optimizer after the wait for data: off by the optimizer (a few ms) only when data-bound, inside the
+# measured tolerance.
+wrong("00.predict", "optimizer_after_the_data", _changed(
+    PREDICT, OVERLAPPED, "return max(data_ms, forward_ms + max(backward_ms, comm_ms)) + optimizer_ms"),
+    ["optimizer after the wait for data"])
+# The exposed reduction after the data: wrong only when data-bound and comm > backward, a pair no measured
+# scenario has.
+wrong("00.predict", "exposed_comm_after_the_data", _changed(
+    PREDICT, OVERLAPPED, "return max(data_ms, forward_ms + backward_ms + optimizer_ms) + max(0, comm_ms - backward_ms)"),
+    ["exposed part after the wait for data"])
+# The reduction timed from the step's start, as if it ran beside forward too: the old check failed it in the
+# comm-bound scenario with the bare numbers ("you predicted 60 ms, the step measured 85 ms").
+wrong("00.predict", "reduction_from_the_step_start", _changed(
+    PREDICT, OVERLAPPED, "return max(data_ms, forward_ms + backward_ms + optimizer_ms, comm_ms)"),
+    ["starts with backward"])
+
+
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """00.predict's measured cases on a canned measurement: every step exactly as the schedules say."""
+    from course.checks import lesson00
+
+    f, b, o = 20.0, 30.0, 5.0
+    scenarios = {}
+    for name, (schedule, data_share, comm_share) in lesson00.SCENARIOS.items():
+        d, c = data_share * (f + b + o), comm_share * b
+        step = lesson00._right(schedule, d, f, b, c, o)
+        steps = [{"forward_ms": f, "backward_ms": b, "optimizer_ms": o, "step_ms": step}] * 6
+        scenarios[name] = {"schedule": schedule, "data_ms": d, "comm_ms": c, "steps": steps, "step_ms": step}
+    monkeypatch.setattr(lesson00, "LAST_SCHEDULES", {"scenarios": scenarios})
+    monkeypatch.setattr(lesson00, "_remeasure", lambda name: scenarios[name])
+
+
+# =============================================================================================== the tests
+def test_every_graded_exercise_of_lessons_00_to_04_and_09_has_three_wrong_learners():
+    from collections import Counter
+
+    counts = Counter(p.values[0] for p in WRONG)
+    for exercise in RIGHT:
+        assert counts[exercise] >= 3, (exercise, counts[exercise])
+
+
+@pytest.mark.parametrize("exercise", sorted(RIGHT))
+def test_the_reference_solution_passes(exercise, quiet_machine):
+    source, titles = RIGHT[exercise]
+    _passes(exercise, source, titles)
+
+
+@pytest.mark.parametrize("exercise, source, says, not_says, titles", WRONG)
+def test_the_wrong_learner_fails_with_a_first_message_naming_the_mistake(exercise, source, says, not_says, titles,
+                                                                        quiet_machine):
+    message = _first(exercise, source, titles)
+    for words in says:
+        assert words in message, (words, message)
+    for words in not_says:
+        assert words not in message, (words, message)
