@@ -21,20 +21,20 @@ _EXPORTS = {
     "GradSync": "hfstream.gradsync",
     "StreamPrefetcher": "hfstream.prefetch",
     "StreamReport": "hfstream.report.timeline",
-    "StreamTrainer": "hfstream.trainer",
-    "StreamTrainerMixin": "hfstream.trainer",
-    "StreamTrainingArguments": "hfstream.args",
-    "stream_arguments": "hfstream.combined_args",
+    "StreamTrainer": "hfstream.trainer.trainer",
+    "StreamTrainerMixin": "hfstream.trainer.trainer",
+    "StreamTrainingArguments": "hfstream.trainer.args",
+    "stream_arguments": "hfstream.trainer.combined_args",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time these load lazily
-    from .args import StreamTrainingArguments
-    from .combined_args import stream_arguments
+    from .trainer.args import StreamTrainingArguments
+    from .trainer.combined_args import stream_arguments
     from .gradsync import GradSync
     from .prefetch import StreamPrefetcher
     from .report.timeline import StreamReport
-    from .trainer import StreamTrainer, StreamTrainerMixin
+    from .trainer.trainer import StreamTrainer, StreamTrainerMixin
 
 
 def __getattr__(name: str):

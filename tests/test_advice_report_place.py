@@ -141,7 +141,7 @@ def test_a_run_with_checkpoints_keeps_its_output_dir_stock_and_the_report_in_its
 
 
 def test_the_report_goes_to_the_newest_checkpoint_when_none_is_of_the_last_step(tmp_path):
-    from hfstream.doctor import report_dir
+    from hfstream.trainer.report_file import report_dir
 
     for step in (2, 10):
         (tmp_path / f"checkpoint-{step}").mkdir()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfstream.checkpoint import CheckpointError, check_checkpoint
+from hfstream.trainer.checkpoint import CheckpointError, check_checkpoint
 from hfstream.testing import free_port, launch_nodes, stop_nodes, wait_nodes
 
 ROOT = Path(__file__).resolve().parents[1]

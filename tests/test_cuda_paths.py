@@ -132,7 +132,7 @@ class _FakeNCCL:
 def _group_choice(monkeypatch, backend, priority, grad_sync):
     import torch.distributed as dist
 
-    from hfstream.data_parallel import gradient_group
+    from hfstream.trainer.data_parallel import gradient_group
     made = []
     monkeypatch.setattr(dist, "is_available", lambda: True)
     monkeypatch.setattr(dist, "is_initialized", lambda: True)

@@ -10,7 +10,7 @@ import torch
 from accelerate.utils import DistributedType
 
 from hfstream import log
-from hfstream.data_parallel import gradient_group, model_is_tensor_parallel, resolve_grad_sync
+from hfstream.trainer.data_parallel import gradient_group, model_is_tensor_parallel, resolve_grad_sync
 
 
 def _args(grad_sync, engine_owns=False, n_gpu=1):

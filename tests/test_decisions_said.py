@@ -11,7 +11,7 @@ import pytest
 from accelerate.utils import DistributedType
 
 from hfstream import log
-from hfstream.data_parallel import resolve_grad_sync
+from hfstream.trainer.data_parallel import resolve_grad_sync
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 

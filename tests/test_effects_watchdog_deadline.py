@@ -16,7 +16,7 @@ import types
 import pytest
 
 import hfstream.gradsync.faults as faults
-import hfstream.watchdog as watchdog
+import hfstream.trainer.watchdog as watchdog
 
 GUARD_S = 30.0   # a hang guard on waiting for the watchdog thread, not a speed threshold
 

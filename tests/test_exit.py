@@ -32,7 +32,7 @@ def _train_then_exit_hook(rank, world_size, tmp, destroy_first):
     import torch.distributed as dist
 
     from hfstream import StreamTrainer, StreamTrainingArguments
-    from hfstream import clean_exit
+    from hfstream.trainer import clean_exit
 
     import atexit
 

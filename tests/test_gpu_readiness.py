@@ -241,7 +241,7 @@ def _gradient_group_reuse(rank, world_size, tmp):
     from transformers import TrainerCallback
 
     from hfstream import StreamTrainer
-    from hfstream import trainer as trainer_module
+    from hfstream.trainer import trainer as trainer_module
     from tiny import lm_dataset, tiny_causal_lm, train_args
 
     made, used = [], []

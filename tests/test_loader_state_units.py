@@ -10,7 +10,7 @@ which step is an epoch's short last accumulation window; these tests hold them w
 
 from __future__ import annotations
 
-from hfstream.loader_state import LoaderView, restore_loader_state, tag_loader_state
+from hfstream.trainer.loader_state import LoaderView, restore_loader_state, tag_loader_state
 
 
 class State:

@@ -244,7 +244,7 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_the_last(tmp_path, monk
     with pytest.raises(RuntimeError, match="checkpoint-4"):
         trainer.train()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
-    from hfstream.checkpoint import check_checkpoint
+    from hfstream.trainer.checkpoint import check_checkpoint
 
     check_checkpoint(tmp_path / "checkpoint-2")   # whole
 
@@ -263,7 +263,7 @@ def test_the_reporters_get_the_exposed_save_time_and_the_state_stays_stock(tmp_p
 
 
 def test_a_snapshot_beyond_the_host_memory_is_refused_at_the_first_save_with_the_bytes(tmp_path, monkeypatch):
-    import hfstream.checkpoint_async as checkpoint_async
+    import hfstream.trainer.save_async as checkpoint_async
 
     monkeypatch.setattr(checkpoint_async, "available_host_bytes", lambda: 1000)
     trainer = _trainer(tmp_path, max_steps=4, save_async=True)
@@ -322,7 +322,7 @@ def test_a_run_killed_mid_save_leaves_the_previous_checkpoint_last_and_the_stock
         proc.kill()
         proc.wait(60)
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
-    from hfstream.checkpoint import check_checkpoint
+    from hfstream.trainer.checkpoint import check_checkpoint
 
     check_checkpoint(out / "checkpoint-2")
     resumed = Trainer(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(),
@@ -339,7 +339,7 @@ def test_save_only_model_writes_the_stock_files_only(tmp_path):
 
 
 def test_a_failed_rename_fails_the_run_naming_both_folders(tmp_path, monkeypatch):
-    import hfstream.checkpoint_async as checkpoint_async
+    import hfstream.trainer.save_async as checkpoint_async
 
     def refused(src, dst):
         raise PermissionError(13, "Permission denied", dst)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import PrinterCallback, TrainerCallback
 
-from hfstream import sharded_trainer as st
+from hfstream.trainer import sharded as st
 
 
 class Reads(TrainerCallback):

@@ -135,6 +135,6 @@ def group_after_close(rank, world_size):
 
 
 def test_close_lets_go_of_the_process_group(run_distributed):
-    # A gloo group keeps its worker threads until its last reference is gone (hfstream.clean_exit).
+    # A gloo group keeps its worker threads until its last reference is gone (hfstream.trainer.clean_exit).
     for out in run_distributed(group_after_close, 2, timeout=60):
         assert out == {0.0004: (True, False), "auto": (True, False)}, out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from transformers import Trainer
 
-from hfstream.trainer import StreamTrainer, StreamTrainerMixin, _own_training_step
+from hfstream.trainer.trainer import StreamTrainer, StreamTrainerMixin, _own_training_step
 
 
 class Mine(Trainer):

@@ -130,7 +130,7 @@ def test_helper_with_any_training_arguments_subclass(tmp_path):
 @pytest.mark.parametrize("name", ["SFTConfig", "DPOConfig", "GRPOConfig", "KTOConfig", "RLOOConfig", "RewardConfig"])
 def test_helper_and_check_with_each_trl_config(name):
     """Class-level only (no instance: some of these configs check their own fields on creation)."""
-    from hfstream.field_defaults import _lost_defaults
+    from hfstream.trainer.field_defaults import _lost_defaults
 
     base = getattr(pytest.importorskip("trl"), name, None)
     if base is None:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from hfstream.watchdog import EXIT_CODE, StepWatchdog
+from hfstream.trainer.watchdog import EXIT_CODE, StepWatchdog
 
 
 def test_a_step_past_the_limit_is_reported_once_with_what_it_waits_for():
@@ -32,7 +32,7 @@ def test_a_step_past_the_limit_is_reported_once_with_what_it_waits_for():
 def test_a_step_past_the_exit_limit_ends_the_process_with_code_124():
     code = textwrap.dedent("""
         import time
-        from hfstream.watchdog import StepWatchdog
+        from hfstream.trainer.watchdog import StepWatchdog
         dog = StepWatchdog(report_after_s=0.2, exit_after_s=0.6, describe=lambda: "waiting for bucket 0", poll_s=0.05)
         dog.begin(5)
         time.sleep(30)
@@ -45,7 +45,7 @@ def test_a_step_past_the_exit_limit_ends_the_process_with_code_124():
 
 
 def test_a_report_is_logged_as_an_error(caplog):
-    import hfstream.watchdog as watchdog
+    import hfstream.trainer.watchdog as watchdog
 
     dog = StepWatchdog(report_after_s=10.0, exit_after_s=None, describe=lambda: "bucket 0 pending", poll_s=3600.0)
     try:

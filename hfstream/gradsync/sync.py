@@ -512,7 +512,7 @@ class GradSync:
         self.closed = True
         # Let go of the group (the bucket tuner holds it too): a gloo group keeps its worker threads
         # until its last reference is gone, and threads still alive when the interpreter's teardown
-        # begins can abort the process (see hfstream.clean_exit).
+        # begins can abort the process (see hfstream.trainer.clean_exit).
         self.process_group, self._wiring.group, self._buffer_group = None, None, None
         self._planner.close()
 

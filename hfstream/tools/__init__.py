@@ -1,6 +1,6 @@
 """What a person runs beside training, never inside a user's ``train()``.
 
-The training path (`hfstream.args`, `hfstream.trainer`, `hfstream.prefetch`,
+The training path (`hfstream.trainer.args`, `hfstream.trainer`, `hfstream.prefetch`,
 `hfstream.gradsync`, ...) imports nothing from here; a test holds it to that.
 
     cli     the ``hfstream`` command (demo, bench, bench-prefetch, soak, plan, corpus, env)

@@ -19,7 +19,7 @@ What one rank cannot show (part 6: NCCL on one rank is a copy, a default-group c
                 ``accelerator.gather`` (``num_items_in_batch``) runs on WORLD: no hang, every gathered
                 value right, the parameters still the single-process mean's
 
-The gradient group is `hfstream.data_parallel.gradient_group`'s, as the Trainer makes it (NCCL,
+The gradient group is `hfstream.trainer.data_parallel.gradient_group`'s, as the Trainer makes it (NCCL,
 high priority); on CPU, where it makes none, a gloo ``new_group`` stands in, so two communicators
 still run. WORLD is initialised by Accelerate (``Accelerator()``), as in a Trainer run.
 
@@ -235,7 +235,7 @@ def gradient_group(cuda: bool, timeout):
 
     import torch.distributed as dist
 
-    from hfstream.data_parallel import gradient_group as trainers_group
+    from hfstream.trainer.data_parallel import gradient_group as trainers_group
 
     args = types.SimpleNamespace(comm_stream_priority="high", grad_sync="sharded",
                                  ddp_timeout=int(timeout.total_seconds()))

@@ -102,7 +102,7 @@ def one_rank_world(on_cpu: bool, timeout_s: float):
 
 
 def one_rank_group(cuda: bool, timeout):
-    """The Trainer's gradient group on one rank (`hfstream.data_parallel.gradient_group` makes none there)."""
+    """The Trainer's gradient group on one rank (`hfstream.trainer.data_parallel.gradient_group` makes none there)."""
     import torch.distributed as dist
 
     if not cuda:

@@ -12,7 +12,7 @@ import logging
 
 from accelerate.utils import DistributedType
 
-from .log import notice
+from ..log import notice
 
 logger = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ import torch
 from transformers import TrainingArguments
 
 from .field_defaults import check_field_defaults
-from .gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, STREAM_PRIORITIES, comm_dtype_name
-from .log import notice
+from ..gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, STREAM_PRIORITIES, comm_dtype_name
+from ..log import notice
 
 GRAD_SYNC_MODES = ("auto", "overlap", "serial", "sharded", "native")
 

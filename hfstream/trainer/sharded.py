@@ -32,8 +32,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
-from .gradsync.eager import ModelHook
-from .gradsync.sharded.reduction import ShardedReduction
+from ..gradsync.eager import ModelHook
+from ..gradsync.sharded.reduction import ShardedReduction
 
 _OWN_CALLBACKS = ("transformers.trainer_callback", "transformers.integrations")   # never read parameters
 _GRADIENT_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")   # stock holds the mean gradient there

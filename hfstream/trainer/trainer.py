@@ -41,13 +41,13 @@ from transformers import Trainer
 from .args import StreamTrainingArguments
 from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
-from .gradsync.eager import ModelHook
-from .sharded_trainer import sharded_reduction
+from ..gradsync.eager import ModelHook
+from .sharded import sharded_reduction
 from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_tensor_parallel, resolve_grad_sync
-from .log import notice, show_hfstream_logs
+from ..log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
-from .report.fields import KEYS as REPORT_KEYS
-from .report.timeline import StepTimeline, StreamReport, combine_ranks
+from ..report.fields import KEYS as REPORT_KEYS
+from ..report.timeline import StepTimeline, StreamReport, combine_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class StreamTrainerMixin:
         self._reads_gradients: bool | None = None   # sharded: whether that step reads .grad (first step watched)
         self._gradient_reads = None                 # the first step's watch, while it runs
         self._step_began = True   # sharded: the next synchronising backward is an optimizer step's first
-        from .sharded_trainer import CallbackGuard
+        from .sharded import CallbackGuard
 
         CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._zero1_optimizer else None,
                       self._note).install()
@@ -130,7 +130,7 @@ class StreamTrainerMixin:
         """`Trainer.train`, after checking what would otherwise fail deep inside it.
 
         Refuses a model with no trainable parameter and a truncated or corrupt checkpoint (see
-        `hfstream.checkpoint`) with errors that say what to do instead.
+        `hfstream.trainer.checkpoint`) with errors that say what to do instead.
         """
         model = self.model
         if model is not None and not any(p.requires_grad for p in model.parameters()):
@@ -213,7 +213,7 @@ class StreamTrainerMixin:
         if self.args.prefetch_depth == 0:
             return epoch_iterator
         if self._prefetch_source is not epoch_iterator:
-            from .prefetch.prefetcher import StreamPrefetcher
+            from ..prefetch.prefetcher import StreamPrefetcher
 
             self._close_prefetcher()
             state = self.accelerator.gradient_state
@@ -233,7 +233,7 @@ class StreamTrainerMixin:
     # -- where gradients leave and come back ---------------------------------------------------------
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         if training and self._hfstream_sync and (self.grad_sync is None or self.grad_sync.closed):
-            from .gradsync import GradSync
+            from ..gradsync import GradSync
 
             # Autocast and device placement from Accelerate, but no DDP wrapper: prepare_model
             # marks the module as prepared, so the Trainer's later prepare() leaves it alone.
@@ -448,7 +448,7 @@ class StreamTrainerMixin:
         gathers before it; if it reads the gradients, .grad holds the whole mean gradient in every
         step (`_whole_gradients_in_step`).
         """
-        from .sharded_trainer import GradientReads, PreForwardReads, overrides_compute_loss
+        from .sharded import GradientReads, PreForwardReads, overrides_compute_loss
 
         user = self._user_training_step or ("compute_loss" if overrides_compute_loss(self) else None)
         if not self._zero1_optimizer or user is None:
@@ -506,12 +506,12 @@ class StreamTrainerMixin:
         """grad_sync="sharded": the stock ``optimizer.pt``, gathered whole from every rank's slices."""
         if not self._zero1_optimizer:
             return super()._save_optimizer_and_scheduler(output_dir)
-        from .sharded_trainer import save_optimizer
+        from .sharded import save_optimizer
 
         self._watch(f"saving the optimizer of step {self.state.global_step} (gathering every rank's slices)")
         save_optimizer(self, output_dir)
 
-    # -- the checkpoint, saved behind training (save_async; hfstream.checkpoint_async) ---------------------
+    # -- the checkpoint, saved behind training (save_async; hfstream.trainer.save_async) ---------------------
     #   _save_checkpoint      at a save step: the previous save finishes first (at most one in flight),
     #                         then the stock save runs into a staging folder with its big writes deferred
     #                         to host copies (`DeferredWrites`), and a thread writes them (`AsyncSave`)
@@ -530,7 +530,7 @@ class StreamTrainerMixin:
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        from .checkpoint_async import STAGING_DIR, AsyncSave, DeferredWrites
+        from .save_async import STAGING_DIR, AsyncSave, DeferredWrites
 
         self._settle_save(wait=True)
         self.callback_handler.__dict__.pop("on_save", None)   # a deferral left by a save no on_save followed
@@ -573,7 +573,7 @@ class StreamTrainerMixin:
         Agreed by every rank (one small all-reduce), which also orders the saving rank's clean-up
         before any rank's writer starts.
         """
-        from .checkpoint_async import available_host_bytes, snapshot_bytes
+        from .save_async import available_host_bytes, snapshot_bytes
 
         if self.args.should_save and os.path.isdir(staging):
             import shutil
@@ -586,7 +586,7 @@ class StreamTrainerMixin:
         if self.args.world_size > 1:
             import torch.distributed as dist
 
-            from .gradsync.agreement import any_rank
+            from ..gradsync.agreement import any_rank
 
             (short_anywhere,) = any_rank([short], dist.group.WORLD, self.args.device)
         if short_anywhere:
@@ -617,7 +617,7 @@ class StreamTrainerMixin:
         pending, failed = save.done is False, save.error is not None
         import torch.distributed as dist
 
-        from .gradsync.agreement import any_rank
+        from ..gradsync.agreement import any_rank
 
         if self.args.world_size > 1:   # every rank here, in step order: one small all-reduce
             pending, failed = any_rank([pending, failed], dist.group.WORLD, self.args.device)
@@ -729,9 +729,9 @@ class StreamTrainerMixin:
 
     def _advise(self) -> None:
         """The report's advice (`hfstream.report.advice`), said once on rank 0, and the report on disk."""
-        from .report.advice import advise_report, facts_from_trainer
-        from .doctor import write_report
-        from .report.format import format_advice
+        from ..report.advice import advise_report, facts_from_trainer
+        from .report_file import write_report
+        from ..report.format import format_advice
 
         advise_report(self._report, facts_from_trainer(self))
         if self.is_world_process_zero():
