@@ -176,6 +176,139 @@ wrong("00.predict", "reduction_from_the_step_start", _changed(
     ["starts with backward"])
 
 
+# =============================================================================================== 01.spans
+SPANS = """
+class Spans:
+    def __init__(self, rank=0, clock=time.perf_counter):
+        self.rank = rank
+        self.clock = clock
+        self.spans = []
+
+    @contextlib.contextmanager
+    def span(self, lane, name):
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.spans.append((self.rank, lane, name, start, self.clock()))
+"""
+RIGHT["01.spans"] = (SPANS, None)
+# The start kept on the recorder: a nested block overwrites it, so the outer span starts when the inner one
+# did. The old nested case only asked that the outer span contain the inner one, which it still does.
+wrong("01.spans", "start_kept_on_self", _changed(SPANS, """        start = self.clock()
+        try:
+            yield
+        finally:
+            self.spans.append((self.rank, lane, name, start, self.clock()))""", """        self.start = self.clock()
+        try:
+            yield
+        finally:
+            self.spans.append((self.rank, lane, name, self.start, self.clock()))"""), ["inside it began", "local"])
+# Recorded when the block begins, its end written into the last record appended: a nested block's record.
+# The old check crashed on the None end ("TypeError: '<=' not supported").
+wrong("01.spans", "end_written_into_the_last_record", _changed(SPANS, """        start = self.clock()
+        try:
+            yield
+        finally:
+            self.spans.append((self.rank, lane, name, start, self.clock()))""", """        self.spans.append([self.rank, lane, name, self.clock(), None])
+        try:
+            yield
+        finally:
+            self.spans[-1][4] = self.clock()"""), ["another block's record"], ["TypeError"])
+# Recorded when the block begins and ended after the yield, without a finally: a block that raises leaves a span
+# with no end. The old check only asked that a span exist.
+wrong("01.spans", "no_end_when_the_block_raises", _changed(SPANS, """        start = self.clock()
+        try:
+            yield
+        finally:
+            self.spans.append((self.rank, lane, name, start, self.clock()))""", """        record = [self.rank, lane, name, self.clock(), None]
+        self.spans.append(record)
+        yield
+        record[4] = self.clock()"""), ["has no end", "finally"])
+
+# =============================================================================================== 01.phases
+LOOP = """
+def train_loop(model, batches, optimizer, spans, steps):
+    it = iter(batches)
+    losses = []
+    for _ in range(steps):
+        with spans.span("data", "data wait"):
+            batch = next(it)
+        with spans.span("compute", "forward"):
+            loss = model(**batch).loss
+        with spans.span("compute", "backward"):
+            loss.backward()
+        with spans.span("compute", "optimizer"):
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+"""
+RIGHT["01.phases"] = (LOOP, None)
+# iter(batches) in every step: a generator (the old check's only loader) goes on, a list or a DataLoader starts
+# over and every step trains on the first batch.
+wrong("01.phases", "iter_in_every_step", _changed(_changed(LOOP, "    it = iter(batches)\n", ""),
+                                                  "batch = next(it)", "batch = next(iter(batches))"),
+      ["first batch again", "iter(batches) was called in every step"])
+# The gradients cleared before the optimizer step: it steps on None and changes nothing. The old check skipped a
+# None gradient.
+wrong("01.phases", "zero_grad_before_step", _changed(LOOP, """            optimizer.step()
+            optimizer.zero_grad()""", """            optimizer.zero_grad()
+            optimizer.step()"""), ["found no gradient", "between"])
+# The loader indexed like a list: right for a list, a TypeError on any other iterable; the old check reported
+# the crash with the span hint ("each phase must run inside the span that names it").
+wrong("01.phases", "loader_indexed", _changed(_changed(LOOP, "    it = iter(batches)\n", ""),
+                                              "    for _ in range(steps):", "    for i in range(steps):").replace(
+    "batch = next(it)", "batch = batches[i]"), ["any iterable", "no [i]"], ["inside the span that names it"])
+
+# =============================================================================================== 01.breakdown
+BREAKDOWN = """
+def breakdown(spans, warmup=1):
+    steps = []
+    for s in sorted(spans, key=lambda s: s[3]):
+        if s[2] == "data wait" or not steps:
+            steps.append([])
+        steps[-1].append(s)
+    kept = steps[warmup:] or steps
+    out = {}
+    for name, key in (("data wait", "data_wait_ms"), ("forward", "forward_ms"),
+                      ("backward", "backward_ms"), ("optimizer", "optimizer_ms")):
+        out[key] = sum((s[4] - s[3]) * 1e3 for step in kept for s in step if s[2] == name) / len(kept)
+    out["step_ms"] = sum((max(s[4] for s in step) - step[0][3]) * 1e3 for step in kept) / len(kept)
+    return out
+"""
+RIGHT["01.breakdown"] = (BREAKDOWN, None)
+# The median over steps: the old check's varied steps (20, 30, 40 ms after warm-up) have median = mean.
+wrong("01.breakdown", "median_over_steps", """
+import statistics
+def breakdown(spans, warmup=1):
+    steps = []
+    for s in sorted(spans, key=lambda s: s[3]):
+        if s[2] == "data wait" or not steps:
+            steps.append([])
+        steps[-1].append(s)
+    kept = steps[warmup:] or steps
+    out = {}
+    for name, key in (("data wait", "data_wait_ms"), ("forward", "forward_ms"),
+                      ("backward", "backward_ms"), ("optimizer", "optimizer_ms")):
+        out[key] = statistics.median(sum((s[4] - s[3]) * 1e3 for s in step if s[2] == name) for step in kept)
+    out["step_ms"] = statistics.median((max(s[4] for s in step) - step[0][3]) * 1e3 for step in kept)
+    return out
+""", ["median"])
+# The last step dropped as "maybe unfinished": the old check said "Skip exactly `warmup` steps", which this
+# learner did.
+wrong("01.breakdown", "last_step_dropped", _changed(BREAKDOWN, "kept = steps[warmup:] or steps",
+                                                    "kept = steps[warmup:-1] or steps"),
+      ["left out the last step"], ["Skip exactly"])
+# The step as the time to the next step's start: on the old check's steps 1 s apart the generic "got {...},
+# expected {...}".
+wrong("01.breakdown", "step_to_the_next_start", _changed(
+    BREAKDOWN, 'out["step_ms"] = sum((max(s[4] for s in step) - step[0][3]) * 1e3 for step in kept) / len(kept)',
+    'starts = [step[0][3] for step in steps] + [max(s[4] for s in steps[-1])]\n'
+    '    out["step_ms"] = sum((starts[i + 1] - starts[i]) * 1e3 for i in range(len(steps) - len(kept), len(steps))) '
+    '/ len(kept)'), ["next step's start"])
+
+
 @pytest.fixture
 def quiet_machine(monkeypatch):
     """00.predict's measured cases on a canned measurement: every step exactly as the schedules say."""
