@@ -309,6 +309,83 @@ wrong("01.breakdown", "step_to_the_next_start", _changed(
     '/ len(kept)'), ["next step's start"])
 
 
+# =============================================================================================== 02.order
+ORDER = """
+def start_copy(sim, side, host):
+    with side:
+        x = sim.copy_in(host)
+    ready = sim.Event()
+    ready.record(side)
+    return x, ready
+
+
+def consume(sim, compute, x, ready):
+    ready.wait(compute)
+    return sim.compute("step", x)
+
+
+def prefetch_loop(sim, host_batches, start=None, use=None):
+    start, use = start or start_copy, use or consume
+    compute = sim.current_stream()
+    side = sim.Stream("copy")
+    outs, nxt = [], start(sim, side, host_batches[0])
+    for i in range(len(host_batches)):
+        cur = nxt
+        if i + 1 < len(host_batches):
+            nxt = start(sim, side, host_batches[i + 1])
+        outs.append(use(sim, compute, *cur))
+    return outs
+"""
+RIGHT["02.order"] = (ORDER, None)
+# The copy left on the current (compute) stream: no race, no overlap; the old check blamed the ordering ("the
+# ordering must be between the streams, not done by the host").
+wrong("02.order", "copy_on_the_compute_stream", _changed(ORDER, """    with side:
+        x = sim.copy_in(host)""", """    x = sim.copy_in(host)"""), ["copies ran on the compute stream"], ["not done by the host"])
+# The host polls the event until the copy is done: the old simulator's query() never moved the host clock, so the
+# check hung until its 120 s timeout.
+wrong("02.order", "host_polls_the_event", _changed(ORDER, "    ready.wait(compute)\n",
+                                                   "    while not ready.query():\n        pass\n"),
+      ["polled the event", "host wait"])
+# The wait queued after the step: the old message told the learner to do what they did ("record an Event ...
+# and wait on it from the compute stream").
+wrong("02.order", "wait_after_the_step", _changed(ORDER, """    ready.wait(compute)
+    return sim.compute("step", x)""", """    y = sim.compute("step", x)
+    ready.wait(compute)
+    return y"""), ["only after the step was queued"])
+
+# =============================================================================================== 02.lifetime
+LIFETIME = """
+def reduce_buckets(sim, comm, grads):
+    compute = sim.current_stream()
+    for g in grads:
+        bucket = sim.compute("pack", g)
+        comm.wait_stream(compute)
+        with comm:
+            sim.kernel("all-reduce", reads=[bucket], writes=[bucket])
+            sim.kernel("unpack", reads=[bucket], writes=[g])
+        bucket.record_stream(comm)
+        bucket.free()
+    done = sim.Event()
+    done.record(comm)
+    return done
+"""
+RIGHT["02.lifetime"] = (LIFETIME, None)
+# One wait, before the first bucket: the old message said "nothing made the comm stream wait".
+wrong("02.lifetime", "one_wait_for_every_bucket", _changed(
+    LIFETIME, "        comm.wait_stream(compute)\n", "        if g is grads[0]:\n            comm.wait_stream(compute)\n"),
+    ["needs its own wait"], ["nothing made the comm stream wait"])
+# The wait queued inside `with comm:` after the all-reduce: same old message.
+wrong("02.lifetime", "wait_after_the_all_reduce", _changed(_changed(
+    LIFETIME, "        comm.wait_stream(compute)\n", ""),
+    '            sim.kernel("all-reduce", reads=[bucket], writes=[bucket])\n',
+    '            sim.kernel("all-reduce", reads=[bucket], writes=[bucket])\n            comm.wait_stream(compute)\n'),
+    ["only after the all-reduce"], ["nothing made the comm stream wait"])
+# The returned event recorded on the current (compute) stream after the loop: the old message told the learner
+# to record it at the end, which they did.
+wrong("02.lifetime", "event_on_the_compute_stream", _changed(LIFETIME, "    done.record(comm)", "    done.record()"),
+      ["recorded on the compute stream"])
+
+
 @pytest.fixture
 def quiet_machine(monkeypatch):
     """00.predict's measured cases on a canned measurement: every step exactly as the schedules say."""

@@ -27,15 +27,18 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from course.checks.drawn import falsify
 from course.grading import Exercise, Wrong
 
 DURATIONS_MS = {"copy": 2.0, "step": 3.0, "pack": 0.5, "all-reduce": 3.0, "unpack": 0.5,
                 "backward": 1.0, "optimizer": 1.0}
 LANES = {"compute": "compute", "copy": "data", "comm": "comm"}
+POLL_MS = 0.05          # host time that passes per query() that answers False
 
 
 # --------------------------------------------------------------------------- the simulator
@@ -157,7 +160,16 @@ class SimEvent:
         (stream if stream is not None else self.device.current_stream()).wait_event(self)
 
     def query(self) -> bool:
-        """Has the recorded work run? (The host only knows once it waited past it.)"""
+        """Has the recorded work run? The host spins while it asks: each answer False lets a little host time pass
+        (POLL_MS), so a loop of query() is a host wait, which ends once the event's work has run."""
+        done = self._done()
+        if not done:
+            self.device._log("poll", event=self, what=f"an event on '{self.stream.name}'")
+            self.device.host_time = min(self.time, self.device.host_time + POLL_MS)
+        return done
+
+    def _done(self) -> bool:
+        """Has the host already passed the recorded work? (The allocator's own question: no time passes.)"""
         done = not self.recorded or self.time <= self.device.host_time
         if done:
             self.device._host_vc = _join(self.device._host_vc, self.vc)
@@ -288,7 +300,7 @@ class SimDevice:
         block = None
         for i in range(len(pool) - 1, -1, -1):          # most recently freed first, as the allocator
             blk, events = pool[i]
-            if all(e.query() for e in events):
+            if all(e._done() for e in events):
                 block = blk
                 del pool[i]
                 break
@@ -456,8 +468,10 @@ order = Exercise("02.order", uses=["start_copy", "consume", "prefetch_loop"],
                  title="a prefetch loop whose compute never reads a batch early")
 
 
-def _run_order(learner, n: int = 6, pinned: bool = True) -> SimDevice:
-    sim = SimDevice()
+def _run_order(learner, n: int = 6, pinned: bool = True, copy_ms: float | None = None,
+               step_ms: float | None = None) -> SimDevice:
+    durations = {k: v for k, v in (("copy", copy_ms), ("step", step_ms)) if v is not None}
+    sim = SimDevice(durations)
     outs = learner.prefetch_loop(sim, _batches(n, pinned))
     if not isinstance(outs, list) or len(outs) != n:
         raise Wrong(f"prefetch_loop should return one output per batch ({n}), got {outs!r:.80}")
@@ -487,8 +501,65 @@ def _diagnose_order_race(sim: SimDevice) -> None:
     if not waits and not _calls(sim, "wait_stream"):
         raise Wrong(f"{race}. You recorded an event but nobody waits on it: in consume, "
                     "ready.wait(compute) before the compute")
+    step = race.second
+    if waits and not any(c["seq"] <= step.seq and c["stream"] is step.stream for c in waits):
+        raise Wrong(f"{race}. Your compute stream waits on the event only after the step was queued: a wait "
+                    "orders the work queued *after* it on that stream, so make compute wait first, then queue the "
+                    "step")
     raise Wrong(f"{race}. The compute on each batch must be ordered after that batch's copy: "
                 "record an Event after the copy on the side stream and wait on it from the compute stream")
+
+
+def _pipeline_ms(n: int, copy_ms: float, step_ms: float) -> float:
+    """The end of n steps when every copy runs on one side stream under the steps: copy i+1 right after copy i,
+    step i once copy i and step i-1 are done."""
+    copy_end, step_end = copy_ms, 0.0
+    for _ in range(n):
+        step_end = max(copy_end, step_end) + step_ms
+        copy_end += copy_ms
+    return step_end
+
+
+# The lesson's loop (6 batches, a copy shorter than a step), then drawn ones: 1 to 7 batches, copies shorter
+# and longer than the steps.
+def _order_cases(seed: int = 21, count: int = 6) -> list[tuple]:
+    rng = random.Random(seed)
+    cases = [(6, None, None)]
+    for k in range(count):
+        copy_ms, step_ms = float(rng.randint(1, 6)), float(rng.randint(1, 6))
+        if k % 2:
+            copy_ms, step_ms = max(copy_ms, step_ms) + 1.0, min(copy_ms, step_ms)     # copies outlast steps
+        cases.append((rng.randint(1, 7), copy_ms, step_ms))
+    return cases
+
+
+def _smaller_order(case):
+    n, c, t = case
+    for m in range(1, n):
+        yield (m, c, t)
+
+
+def _describe_order(case) -> str:
+    n, c, t = case
+    return (f"{n} batch{'es' if n > 1 else ''}, copies of {c if c is not None else DURATIONS_MS['copy']:g} ms, "
+            f"steps of {t if t is not None else DURATIONS_MS['step']:g} ms")
+
+
+def _order_falsify(learner, prop, reveal: str) -> None:
+    reveals = {}
+
+    def check_one(case):
+        try:
+            prop(_run_order(learner, case[0], copy_ms=case[1], step_ms=case[2]), case)
+        except Wrong as exc:
+            message = f"{_describe_order(case)}: {exc}"
+            reveals[message] = exc.reveal
+            return message
+        return None
+
+    found = falsify(_order_cases(), check_one, smaller=_smaller_order, kind=lambda m: m.split(": ", 1)[-1][:50])
+    if found is not None:
+        raise Wrong(str(found), reveal=reveals.get(found.message) or reveal)
 
 
 @order.case("no compute reads a batch before its copy has landed",
@@ -496,13 +567,20 @@ def _diagnose_order_race(sim: SimDevice) -> None:
                  "nothing ordered the two",
             reveal="record an Event on the side stream after the copy; make the compute stream wait on it")
 def _(learner):
-    sim = _run_order(learner)
-    if len(_copy_ops(sim)) != 6 or len(_step_ops(sim)) != 6:
-        raise Wrong(f"expected 6 copies and 6 steps, the loop queued {len(_copy_ops(sim))} copies and "
-                    f"{len(_step_ops(sim))} steps: keep start_copy to one sim.copy_in and consume to one sim.compute")
-    if sim.races:
-        _diagnose_order_race(sim)
-    return "6 batches, every read ordered after its copy"
+    """Property: on the lesson's loop and on drawn ones (1 to 7 batches, copies shorter and longer than the
+    steps), every step's read of its batch happens after that batch's copy, whatever the timings."""
+    def prop(sim, case):
+        n = case[0]
+        if len(_copy_ops(sim)) != n or len(_step_ops(sim)) != n:
+            raise Wrong(f"expected {n} copies and {n} steps, the loop queued {len(_copy_ops(sim))} copies and "
+                        f"{len(_step_ops(sim))} steps: keep start_copy to one sim.copy_in and consume to one "
+                        f"sim.compute")
+        if sim.races:
+            _diagnose_order_race(sim)
+
+    _order_falsify(learner, prop, "record an Event on the side stream after the copy; make the compute stream wait "
+                                  "on it")
+    return f"{len(_order_cases())} loops, every read ordered after its copy"
 
 
 @order.case("the host never waits, and each step waits only for its own batch",
@@ -511,27 +589,40 @@ def _(learner):
             reveal="use event.wait(stream), not event.synchronize() or sim.synchronize(); and an Event per batch, "
                    "not wait_stream, since the next copy is already queued")
 def _(learner):
+    """Property: on the same loops, the host never waits (no synchronize, no polling), each copy runs on the side
+    stream, step i waits for copy i and not for copy i + 1, so the loop ends when the pipelined schedule does."""
+    def prop(sim, case):
+        if sim.races:
+            raise Wrong(f"fix the race first: {sim.first_race()}")
+        if _calls(sim, "synchronize"):
+            what = _calls(sim, "synchronize")[0]["what"]
+            raise Wrong(f"the host waited for {what}: that orders the read, but the host stops queuing work, so the "
+                        "next copy can no longer run under this step. Let the compute *stream* wait: "
+                        "ready.wait(compute)")
+        if _calls(sim, "poll"):
+            raise Wrong("the host polled the event (query() in a loop) until the copy had run: that is a host wait "
+                        "too, and the host queues nothing meanwhile. Let the compute *stream* wait: "
+                        "ready.wait(compute)")
+        steps, copies = _step_ops(sim), _copy_ops(sim)
+        if any(op.stream is sim.default_stream for op in copies):
+            raise Wrong("your copies ran on the compute stream, in line with the steps: no race, and nothing "
+                        "overlaps either. Queue each copy on the side stream (inside `with side:`)")
+        for i in range(len(steps) - 1):
+            if copies[i + 1].happens_before(steps[i]):
+                how = ("compute.wait_stream(side) waits for everything queued on the side stream so far, "
+                       "and the copy of the next batch is already queued"
+                       if _calls(sim, "wait_stream") else "the step waited for a later copy")
+                raise Wrong(f"step on batch {i} waited for the copy of batch {i + 1}: {how}. Record an Event right "
+                            f"after each batch's copy and wait on exactly that event")
+        ideal = _pipeline_ms(len(steps), sim.durations["copy"], sim.durations["step"])
+        assert sim.elapsed_ms() <= ideal + 1e-6, (
+            f"the loop took {sim.elapsed_ms():.1f} simulated ms; with copies hidden it takes {ideal:.1f}")
+
+    _order_falsify(learner, prop, "use event.wait(stream), not event.synchronize() or sim.synchronize(); and an Event "
+                                  "per batch, not wait_stream, since the next copy is already queued")
     sim = _run_order(learner)
-    if sim.races:
-        raise Wrong(f"fix the race first: {sim.first_race()}")
-    if _calls(sim, "synchronize"):
-        what = _calls(sim, "synchronize")[0]["what"]
-        raise Wrong(f"the host waited for {what}: that orders the read, but the host stops queuing work, so the "
-                    "next copy can no longer run under this step. Let the compute *stream* wait: "
-                    "ready.wait(compute)")
-    steps, copies = _step_ops(sim), _copy_ops(sim)
-    for i in range(len(steps) - 1):
-        if copies[i + 1].happens_before(steps[i]):
-            how = ("compute.wait_stream(side) waits for everything queued on the side stream so far, "
-                   "and the copy of the next batch is already queued"
-                   if _calls(sim, "wait_stream") else "the step waited for a later copy")
-            raise Wrong(f"step on batch {i} waited for the copy of batch {i + 1}: {how}. Record an Event right "
-                        f"after each batch's copy and wait on exactly that event")
-    ideal = sim.durations["copy"] + len(steps) * sim.durations["step"]
-    assert sim.elapsed_ms() <= ideal + 1e-6, (
-        f"the loop took {sim.elapsed_ms():.1f} simulated ms; with copies hidden it takes {ideal:.1f}")
-    serial = len(steps) * (sim.durations["copy"] + sim.durations["step"])
-    return f"{sim.elapsed_ms():.0f} simulated ms vs {serial:.0f} ms one stream"
+    serial = len(_step_ops(sim)) * (sim.durations["copy"] + sim.durations["step"])
+    return f"{sim.elapsed_ms():.0f} simulated ms vs {serial:.0f} ms one stream, and {len(_order_cases()) - 1} drawn loops"
 
 
 # --------------------------------------------------------------------------- 02.lifetime
@@ -539,8 +630,8 @@ lifetime = Exercise("02.lifetime", uses=["reduce_buckets"],
                     title="buckets reduced on a side stream: ordering and memory lifetime")
 
 
-def _run_lifetime(learner, n: int = 4) -> tuple[SimDevice, list[Op]]:
-    sim = SimDevice()
+def _run_lifetime(learner, n: int = 4, durations: dict | None = None) -> tuple[SimDevice, list[Op]]:
+    sim = SimDevice(durations)
     comm = sim.Stream("comm")
     grads = [sim.compute("backward", ms=1.0) for _ in range(n)]
     for i, g in enumerate(grads):
@@ -567,7 +658,45 @@ def _lifetime_ops(sim: SimDevice, name: str) -> list[Op]:
                reveal="comm.wait_stream(compute) before the all-reduce; return an Event recorded on comm "
                       "after the last unpack")
 def _(learner):
-    sim, grads = _run_lifetime(learner)
+    """Property: for the lesson's 4 gradients and drawn runs (1 to 6 gradients, packs shorter and longer than the
+    reductions), every all-reduce reads its bucket after its pack, every unpack after its all-reduce, and the
+    optimizer after the last unpack."""
+    _lifetime_falsify(learner, _lifetime_order)
+    return f"{len(_lifetime_cases())} runs, every read after its writer"
+
+
+def _lifetime_cases(seed: int = 22, count: int = 5) -> list[tuple]:
+    """The lesson's 4 gradients, then drawn runs: 1 to 6 gradients, pack, all-reduce and unpack durations."""
+    rng = random.Random(seed)
+    cases = [(4, None)]
+    for _ in range(count):
+        cases.append((rng.randint(1, 6), {"pack": float(rng.randint(1, 4)), "all-reduce": float(rng.randint(1, 6)),
+                                          "unpack": float(rng.randint(1, 3))}))
+    return cases
+
+
+def _lifetime_falsify(learner, prop) -> None:
+    reveals = {}
+
+    def check_one(case):
+        n, durations = case
+        try:
+            sim, grads = _run_lifetime(learner, n, durations)
+            prop(sim, grads)
+        except Wrong as exc:
+            parts = "" if durations is None else ", " + ", ".join(f"{k} {v:g} ms" for k, v in durations.items())
+            message = f"{n} gradient{'s' if n > 1 else ''}{parts}: {exc}"
+            reveals[message] = exc.reveal
+            return message
+        return None
+
+    found = falsify(_lifetime_cases(), check_one, kind=lambda m: m.split(": ", 1)[-1][:50],
+                    smaller=lambda case: ((m, case[1]) for m in range(1, case[0])))
+    if found is not None:
+        raise Wrong(str(found), reveal=reveals.get(found.message))
+
+
+def _lifetime_order(sim: SimDevice, grads) -> None:
     packs, reduces, unpacks = (_lifetime_ops(sim, k) for k in ("pack", "all-reduce", "unpack"))
     if not (len(packs) == len(reduces) == len(unpacks) == len(grads)):
         raise Wrong(f"expected one pack, all-reduce and unpack per gradient ({len(grads)}), got "
@@ -578,12 +707,28 @@ def _(learner):
     if any(op.stream is not sim.default_stream for op in packs):
         raise Wrong("pack on the compute stream (outside `with comm:`): the gradients are produced there")
     reads = [r for r in sim.races if r.kind == "read before write"]
+    comm_waits = [c for c in _calls(sim, "wait_stream") + _calls(sim, "wait") if c["stream"].name == "comm"]
     for r in reads:
         if r.second.name == "all-reduce":
+            b = reduces.index(r.second)
+            before = [c for c in comm_waits if c["seq"] > packs[b].seq and c["seq"] <= r.second.seq]
+            if not before and any(c["seq"] > r.second.seq for c in comm_waits) and len(comm_waits) >= len(packs):
+                raise Wrong(f"{r}. The comm stream waits for compute, but only after the all-reduce of bucket {b} was "
+                            f"queued: a wait orders the work queued *after* it on that stream. Wait first, then "
+                            f"queue the all-reduce")
+            if comm_waits and len(comm_waits) < len(packs):
+                raise Wrong(f"{r}. The comm stream waited for compute {len(comm_waits)} time(s) for {len(packs)} "
+                            f"buckets: a wait orders only what compute had queued before it, so the pack of bucket "
+                            f"{b}, queued later, is not covered. Each bucket needs its own wait, after its pack")
             raise Wrong(f"{r}. The all-reduce on the comm stream read the bucket before the pack queued on the "
                         "compute stream had written it: nothing made the comm stream wait",
                         reveal="comm.wait_stream(compute) before the all-reduce")
         if r.second.name == "optimizer":
+            recorded = [c for c in _calls(sim, "record")]
+            if recorded and recorded[-1]["stream"] is sim.default_stream:
+                raise Wrong(f"{r}. The Event you returned was recorded on the compute stream, where it marks a point "
+                            f"of compute's queue: the unpacks are on comm. Record it on comm (done.record(comm)), "
+                            f"after the last unpack")
             raise Wrong(f"{r}. The Event you return must be recorded on comm *after* the last unpack "
                         "(done.record(comm) at the end), so the optimizer waits for every reduction")
     if reads:
@@ -598,7 +743,16 @@ def _(learner):
                     "using it must be made known to it before the block is freed",
                reveal="bucket.record_stream(comm) before bucket.free()")
 def _(learner):
+    """Property: on the same runs, no bucket's block is handed to a new tensor while the comm stream still uses
+    it, the host never waits, and compute never waits for comm inside the loop."""
+    _lifetime_falsify(learner, _lifetime_reuse)
     sim, grads = _run_lifetime(learner)
+    buckets = [t for t in sim.tensors if t.name.startswith("pack(")]
+    return (f"{len(buckets)} buckets, no early reuse; the allocator created {sim.reserved_blocks} blocks "
+            f"for {len(sim.tensors)} tensors (freed buckets come back once comm has passed them)")
+
+
+def _lifetime_reuse(sim: SimDevice, grads) -> None:
     if any(r.kind == "read before write" for r in sim.races):
         raise Wrong(f"fix the ordering first: {sim.first_race()}")
     frees = _calls(sim, "free")
@@ -627,5 +781,6 @@ def _(learner):
         if reduces[i].happens_before(packs[i + 1]):
             raise Wrong(f"pack of bucket {i + 1} waited for the all-reduce of bucket {i}: the compute stream "
                         "must not wait for comm inside the loop (only the optimizer waits, on the returned event)")
-    return (f"{len(buckets)} buckets, no early reuse; the allocator created {sim.reserved_blocks} blocks "
-            f"for {len(sim.tensors)} tensors (freed buckets come back once comm has passed them)")
+    if _calls(sim, "poll"):
+        raise Wrong("the host polled an event (query() in a loop): that is a host wait, and the next pack no longer "
+                    "overlaps the reduction. record_stream keeps the reuse safe without waiting")
