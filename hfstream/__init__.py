@@ -6,8 +6,9 @@ training, and measure how close each step comes to its ceiling.
 
 The names are imported on first use (PEP 562): ``import hfstream`` is cheap, and
 ``from hfstream import GradSync`` loads torch but not transformers. The training path lives in
-this package; what a person runs beside training is in `hfstream.tools` (docs/design.md
-section 3). `hfstream.tools.data` imports `datasets`; nothing on the training path does.
+this package; what a person runs beside training is in `hfstream.cli` (docs/design.md
+section 3). `hfstream.cli.data` imports `datasets` (``hfstream[demo]``); nothing on the training
+path does.
 """
 
 from __future__ import annotations

@@ -2,6 +2,6 @@
 
 import sys
 
-from hfstream.tools.cli import main
+from hfstream.cli.main import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ import torch
 
 from hfstream import StreamTrainer, StreamTrainingArguments
 from hfstream.report.advice import MIN_SAVING, RunFacts, advise
-from hfstream.doctor import doctor
+from hfstream.cli.doctor import doctor
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 
@@ -197,7 +197,7 @@ def test_run_at_its_ceiling_trainer_run_gets_no_advice_worth_ten_percent(tmp_pat
 
 
 def test_bench_advice_refuses_an_unknown_scenario_by_name(capsys):
-    from hfstream.tools.bench.advice import main
+    from dev.bench.advice import main
 
     with pytest.raises(SystemExit):
         main(["--scenarios", "data,network"])

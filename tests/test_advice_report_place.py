@@ -13,7 +13,7 @@ import os
 from transformers import Trainer, TrainingArguments
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.doctor import REPORT_FILE, doctor
+from hfstream.cli.doctor import REPORT_FILE, doctor
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 

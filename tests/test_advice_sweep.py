@@ -1,4 +1,4 @@
-"""The advice sweep (hfstream/tools/bench/sweep.py): its generator covers the dimensions of issue 30,
+"""The advice sweep (dev/bench/sweep.py): its generator covers the dimensions of issue 30,
 and its 3-run sample runs end to end (run, apply the first advice, run again) into the table.
 
 The full sweep (24 runs, shaped links) is for a quiet machine and is not run here; its command and
@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from hfstream.tools.bench.sweep import (CAPS_MB, COLLATES, LAYERS, MODES, RATES_MBIT, run_one, sample_runs,
+from dev.bench.sweep import (CAPS_MB, COLLATES, LAYERS, MODES, RATES_MBIT, run_one, sample_runs,
                                         summarize, sweep_runs, table)
 
 

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from hfstream.gradsync import DDP_BUCKET_MB
-from hfstream.tools.bench import cli as bench
-from hfstream.tools.bench import config, netns
-from hfstream.tools.bench.link import SimulatedLink, ring_allreduce_bytes
+from hfstream.cli.bench import cli as bench
+from hfstream.cli.bench import config, netns
+from hfstream.cli.bench.link import SimulatedLink, ring_allreduce_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -135,7 +135,7 @@ def test_shaped_namespace_limits_an_allreduce_and_is_removed():
     with netns.shaped_namespace(rate_mbit=160) as name:
         assert netns.namespace_exists(name)
         assert "tbf" in _tbf_line(name)
-        cmd = [sys.executable, "-m", "hfstream.tools.bench.netns", "probe", "--inside", "--mb", "2", "--world-size", "2"]
+        cmd = [sys.executable, "-m", "hfstream.cli.bench.netns", "probe", "--inside", "--mb", "2", "--world-size", "2"]
         proc = netns.run_in_namespace(name, cmd, timeout_s=120, env=_env(), capture_output=True)
         assert proc.returncode == 0, proc.stderr
     assert not netns.namespace_exists(name)
@@ -265,8 +265,8 @@ def test_gloo_uses_lo_only_where_it_exists(monkeypatch):
 
 
 def test_old_entry_point_still_runs_the_command_line(capsys):
-    # `python -m hfstream.tools.bench.run` and `run.main` are the same command as `python -m hfstream.tools.bench`.
-    from hfstream.tools.bench import run
+    # `python -m hfstream.cli.bench.run` and `run.main` are the same command as `python -m hfstream.cli.bench`.
+    from hfstream.cli.bench import run
 
     with pytest.raises(SystemExit) as err:
         run.main(["--world-size", "1"])
@@ -276,7 +276,7 @@ def test_old_entry_point_still_runs_the_command_line(capsys):
 def test_a_sharded_session_takes_an_untimed_lead_in_each_round(monkeypatch):
     # Interleaved rounds: a sharded session's gathers, launched in its last step, would finish
     # during the other modes' steps and its next timed forward would find them done for free.
-    from hfstream.tools.bench import session
+    from hfstream.cli.bench import session
 
     calls = []
 

@@ -1,8 +1,8 @@
-"""The bench's account of a sharded step over the cross-step limit (hfstream/tools/bench/over_limit.py)."""
+"""The bench's account of a sharded step over the cross-step limit (hfstream/cli/bench/over_limit.py)."""
 
 import pytest
 
-from hfstream.tools.bench.over_limit import PARTS, format_over_limit, over_limit
+from hfstream.cli.bench.over_limit import PARTS, format_over_limit, over_limit
 
 SERIAL = dict(forward_ms=200.0, backward_ms=240.0, optimizer_ms=40.0, comm_busy_ms=300.0)
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from hfstream.tools.bench import prefetch as bench_prefetch
+from hfstream.cli.bench import prefetch as bench_prefetch
 
 
 def test_quick_run_writes_consistent_json(tmp_path):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hfstream.tools.bench.soak import _slope, soak
+from hfstream.cli.bench.soak import _slope, soak
 
 pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")]
@@ -29,7 +29,7 @@ def test_slope_is_per_thousand_steps_after_warmup():
 
 
 def test_bad_step_counts_are_refused_with_the_flag_named(capsys):
-    from hfstream.tools.cli import main
+    from hfstream.cli.main import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["soak", "--steps", "0"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hfstream.tools.cli import REPO, build_parser, demo_command, main
+from hfstream.cli.main import REPO, build_parser, demo_command, main
 
 sys.path.insert(0, str(REPO / "recipes"))
 

@@ -4,7 +4,7 @@ files, the stdlib corpus needs no download, and bad files give clear errors."""
 import pytest
 from transformers import AutoTokenizer
 
-from hfstream.tools.data import EOS, build_stdlib_corpus, byte_tokenizer, load_text_dataset, train_bpe_tokenizer
+from hfstream.cli.data import EOS, build_stdlib_corpus, byte_tokenizer, load_text_dataset, train_bpe_tokenizer
 
 
 def test_byte_tokenizer_roundtrip_and_reload(tmp_path):

@@ -1,4 +1,4 @@
-"""`python -m hfstream.tools.gpu_check` (the package hfstream/tools/gpu_check/) without a GPU: it
+"""`python -m dev.gpu_check` (the package dev/gpu_check/) without a GPU: it
 skips in one line with exit code 0; its table, JSON, time boxes and bookkeeping work (on fakes);
 and each of its modules imports only what the GPU machine has.
 
@@ -22,15 +22,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from hfstream.tools.gpu_check.checks import Checks
-from hfstream.tools.gpu_check.gpu_tests import gpu_test_files, parse_pytest_summary, pytest_part
-from hfstream.tools.gpu_check.procs import run_child
-from hfstream.tools.gpu_check.runner import MIN_PART_S, PARTS, RUN_ORDER, TIMEOUTS, TITLES, main, run_all
-from hfstream.tools.gpu_check.syncdebug import SyncRecorder
-from hfstream.tools.gpu_check.table import format_table, overall_status, write_json
+from dev.gpu_check.checks import Checks
+from dev.gpu_check.gpu_tests import gpu_test_files, parse_pytest_summary, pytest_part
+from dev.gpu_check.procs import run_child
+from dev.gpu_check.runner import MIN_PART_S, PARTS, RUN_ORDER, TIMEOUTS, TITLES, main, run_all
+from dev.gpu_check.syncdebug import SyncRecorder
+from dev.gpu_check.table import format_table, overall_status, write_json
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGE = REPO / "hfstream" / "tools" / "gpu_check"
+PACKAGE = REPO / "dev" / "gpu_check"
 
 
 def _env():
@@ -45,7 +45,7 @@ def _env():
 def test_without_a_gpu_it_skips_in_one_line_with_exit_code_0(tmp_path):
     out = tmp_path / "gpu_check.json"
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "hfstream.tools.gpu_check", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "dev.gpu_check", "--json", str(out)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
@@ -63,7 +63,7 @@ def _imported_modules(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parts = "hfstream.tools.gpu_check".split(".")
+                parts = "dev.gpu_check".split(".")
                 base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
             names |= {base} | {f"{base}.{a.name}" for a in node.names}
     return names
@@ -72,19 +72,20 @@ def _imported_modules(path: Path) -> set[str]:
 def test_the_package_imports_nothing_heavy_and_never_datasets():
     modules = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem != "__init__")
     assert {"__main__", "runner", "table"} <= set(modules)
-    script = ("import sys, hfstream.tools.gpu_check\n"
+    script = ("import sys, dev.gpu_check\n"
               "heavy = lambda: {'torch', 'transformers', 'datasets'} & set(sys.modules)\n"
               "assert not heavy(), sorted(sys.modules)\n"
-              + "".join(f"import hfstream.tools.gpu_check.{m}\n" for m in modules)
+              + "".join(f"import dev.gpu_check.{m}\n" for m in modules)
               + "assert not heavy(), sorted(sys.modules)\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
-    # Nor lazily, inside a part: the GPU machine has no `datasets` (hfstream.tools.data imports it).
+    # Nor lazily, inside a part: the GPU machine has no `datasets` (hfstream.cli.data imports it).
     for path in PACKAGE.glob("*.py"):
         names = _imported_modules(path)
         assert not {n for n in names if n.split(".")[0] == "datasets"
-                    or (n.startswith("hfstream.tools") and not n.startswith("hfstream.tools.gpu_check"))}, path.name
+                    or (n.startswith(("hfstream.cli", "hfstream.plan", "hfstream.testing.link", "dev."))
+                        and not n.startswith("dev.gpu_check"))}, path.name
 
 
 # -- the table and the JSON ------------------------------------------------------------------
@@ -323,7 +324,7 @@ def test_checks_pass_only_when_every_check_holds():
 @pytest.mark.multiprocess
 def test_cpu_dry_run_of_every_part(tmp_path):
     out = tmp_path / "dry.json"
-    proc = subprocess.run([sys.executable, "-m", "hfstream.tools.gpu_check", "--on-cpu", "--quick", "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "dev.gpu_check", "--on-cpu", "--quick", "--json", str(out)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())

@@ -19,11 +19,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hfstream.tools.gpu_check import multi_rank, one_process, prefetch
-from hfstream.tools.gpu_check.checks import Checks, compare_tensors, same_memory
-from hfstream.tools.gpu_check.comm_kernels import compare_comm_times, nccl_op
-from hfstream.tools.gpu_check.gpu_tests import pytest_part
-from hfstream.tools.gpu_check.syncdebug import host_reads
+from dev.gpu_check import multi_rank, one_process, prefetch
+from dev.gpu_check.checks import Checks, compare_tensors, same_memory
+from dev.gpu_check.comm_kernels import compare_comm_times, nccl_op
+from dev.gpu_check.gpu_tests import pytest_part
+from dev.gpu_check.syncdebug import host_reads
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -132,7 +132,7 @@ def test_part_1_on_a_gpu_with_no_test_passed_fails_and_says_it_compared_0():
 
 # -- part 2: GradSync on 2 ranks, here at world size 1 where every collective is a no-op -----------
 def test_part_2_fails_where_its_collectives_are_no_ops(one_rank_gloo):
-    from hfstream.tools.gpu_check.gradsync import _gradsync_rank, gradsync_sizes
+    from dev.gpu_check.gradsync import _gradsync_rank, gradsync_sizes
 
     out = _gradsync_rank(0, 1, gradsync_sizes(True, True), True)
     checks = dict((n, ok) for n, ok, _ in out["checks"])
@@ -181,7 +181,7 @@ def test_part_4_fails_on_a_host_read_in_the_step(monkeypatch):
 
 def test_part_4_fails_when_grad_sync_stays_active_at_world_size_1(monkeypatch, one_rank_gloo):
     import hfstream
-    from hfstream.tools.gpu_check.one_rank import one_rank_grad_sync
+    from dev.gpu_check.one_rank import one_rank_grad_sync
 
     monkeypatch.setattr(hfstream, "GradSync", one_rank_grad_sync())   # active on the one-rank default group
     r = one_process.part_ws1(True, True, 60)
@@ -195,7 +195,7 @@ def test_part_4_fails_when_grad_sync_stays_active_at_world_size_1(monkeypatch, o
 # -- part 6: one rank ------------------------------------------------------------------------------
 def test_part_6_fails_with_the_plain_grad_sync_whose_one_rank_collectives_are_no_ops(monkeypatch):
     from hfstream import GradSync
-    from hfstream.tools.gpu_check import one_rank
+    from dev.gpu_check import one_rank
 
     monkeypatch.setattr(one_rank, "one_rank_grad_sync", lambda: GradSync)   # the test-only switch removed
     r = one_rank.part_one_rank(True, True, 60)
@@ -205,7 +205,7 @@ def test_part_6_fails_with_the_plain_grad_sync_whose_one_rank_collectives_are_no
 
 
 def test_part_6_fails_when_the_bf16_wire_is_not_used(monkeypatch):
-    from hfstream.tools.gpu_check import one_rank
+    from dev.gpu_check import one_rank
 
     switch = one_rank.one_rank_grad_sync
 
@@ -268,7 +268,7 @@ def test_part_7_on_one_rank_compares_nothing_across_ranks_and_fails(one_rank_glo
 def test_part_7_dry_run_on_2_gloo_ranks_under_torchrun(tmp_path):
     out = tmp_path / "part.json"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", multi_rank.LAUNCHER_ENV: "torchrun"}
-    proc = subprocess.run([sys.executable, "-m", "hfstream.tools.gpu_check", "--on-cpu", "--quick", "--parts",
+    proc = subprocess.run([sys.executable, "-m", "dev.gpu_check", "--on-cpu", "--quick", "--parts",
                            "multirank", "--json", str(out)], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -287,7 +287,7 @@ def test_device_events_keep_the_device_side_and_tell_kernels_from_copies():
 
     from torch.autograd import DeviceType
 
-    from hfstream.tools.gpu_check.comm_kernels import device_events
+    from dev.gpu_check.comm_kernels import device_events
 
     def ev(name, device, us, stream):
         return types.SimpleNamespace(name=name, device_type=device, device_resource_id=stream,

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from hfstream import streams
-from hfstream.tools.gpu_check import device_order
-from hfstream.tools.gpu_check.checks import Checks
-from hfstream.tools.gpu_check.comm_kernels import side_stream_kernels
-from hfstream.tools.gpu_check.memory import MemoryLog, StepMemory, memory_checks
+from dev.gpu_check import device_order
+from dev.gpu_check.checks import Checks
+from dev.gpu_check.comm_kernels import side_stream_kernels
+from dev.gpu_check.memory import MemoryLog, StepMemory, memory_checks
 
 
 def verdicts(checks: Checks) -> dict[str, bool]:

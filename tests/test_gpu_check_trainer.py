@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from hfstream.tools.gpu_check import one_rank_trainer
+from dev.gpu_check import one_rank_trainer
 
 SHORT = dict(n_embd=64, n_layer=2, n_head=2, vocab=64, seq=32, batch=4, steps=14)   # overlap tunes in 6 steps
 

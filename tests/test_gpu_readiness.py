@@ -284,7 +284,7 @@ def test_gpu_check_one_rank_part_keeps_grad_sync_active_at_world_size_1_on_cpu(t
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "part.json"
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "hfstream.tools.gpu_check", "--on-cpu", "--quick", "--parts", "onerank",
+    proc = subprocess.run([sys.executable, "-m", "dev.gpu_check", "--on-cpu", "--quick", "--parts", "onerank",
                            "--json", str(out)], cwd=repo, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (part,) = json.loads(out.read_text())["parts"]

@@ -508,7 +508,7 @@ def test_parameter_read_before_its_gather_arrived_is_refused(behaviour):
 # -- the probe behind the choice of primitives ----------------------------------------------------
 @pytest.mark.multiprocess
 def test_collectives_probe_checks_every_primitive_it_times():
-    from hfstream.tools.bench.collectives import probe
+    from dev.bench.collectives import probe
 
     for res in run_on_ranks(probe, 2, 0.01, 1, timeout=60):
         assert set(res) >= {"all_reduce", "reduce_scatter", "all_to_all + local sum", "all_gather (single tensor)"}

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from hfstream.tools import mutate
+from dev import mutate
 
 TOY = "def clamp(x, hi):\n    if x > hi:\n        return hi\n    return x\n"
 

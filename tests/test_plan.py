@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-import hfstream.tools.plan as P
-from hfstream.tools.plan.cli import _count
+import hfstream.plan as P
+from hfstream.plan.cli import _count
 
 MiB = 2**20
 
@@ -264,7 +264,7 @@ def test_plot_plan_leaves_the_backend_alone(tmp_path):
     """The planner figure never switches matplotlib's backend (a notebook's inline one stays)."""
     import matplotlib
 
-    from hfstream.tools.plot import plot_plan
+    from hfstream.cli.plot import plot_plan
 
     before = matplotlib.get_backend()
     matplotlib.use("svg")          # not Agg, so a switch to Agg would show

@@ -1,4 +1,4 @@
-"""The planner's links by level (hfstream/tools/plan/links.py): a ring inside each node, one across
+"""The planner's links by level (hfstream/plan/links.py): a ring inside each node, one across
 nodes on 1/g of the bytes, worked by hand; 8 GPUs of one NVLink node are not communication-bound."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-import hfstream.tools.plan as P
-from hfstream.tools.plan.links import Links
+import hfstream.plan as P
+from hfstream.plan.links import Links
 
 GB = 1e9
 
@@ -117,8 +117,8 @@ def test_bad_link_values_fail_naming_the_flag(flag, value, capsys):
 
 def test_node_presets_are_within_10_percent_of_published_nccl_tests_bus_bandwidths():
     # all_reduce_perf -g 8, busbw at large sizes (Alaya NeW, "NCCL-tests in practice", 2026-05-06):
-    # 8x H100 SXM5 460-480 GB/s, 8x A100 SXM4 230-250 GB/s (hfstream/tools/plan/devices.py).
-    from hfstream.tools.plan.devices import DEVICES
+    # 8x H100 SXM5 460-480 GB/s, 8x A100 SXM4 230-250 GB/s (hfstream/plan/devices.py).
+    from hfstream.plan.devices import DEVICES
 
     for name, (low, high) in {"h100-80gb": (460, 480), "h200-141gb": (460, 480), "a100-40gb": (230, 250),
                               "a100-80gb": (230, 250)}.items():

@@ -1,4 +1,4 @@
-"""The planner's memory (hfstream/tools/plan/memory.py): bytes a model and its optimizer hold against
+"""The planner's memory (hfstream/plan/memory.py): bytes a model and its optimizer hold against
 models built from their configs, activations against what autograd saves, and the verdict a user
 reads from ``hfstream plan --device``."""
 
@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
-import hfstream.tools.plan as P
-from hfstream.tools.plan.devices import DEVICES, parse_bytes
-from hfstream.tools.plan.memory import OPTIMIZERS, activation_bytes, memory_by_mode, memory_report
-from hfstream.tools.plan.shapes import PRESETS
+import hfstream.plan as P
+from hfstream.plan.devices import DEVICES, parse_bytes
+from hfstream.plan.memory import OPTIMIZERS, activation_bytes, memory_by_mode, memory_report
+from hfstream.plan.shapes import PRESETS
 
 
 def _hf_config(config: dict, **extra):

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-import hfstream.tools.plan as P
+import hfstream.plan as P
 from test_plan import SETTINGS, _bench_doc
 
 MiB = 2**20

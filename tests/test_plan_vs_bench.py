@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from hfstream.tools.bench import run as bench
-from hfstream.tools.plan import compare_with_measurement, predict_bench
+from hfstream.cli.bench import run as bench
+from hfstream.plan import compare_with_measurement, predict_bench
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.tools.plot import plot_breakdown, plot_loss, plot_timeline
+from hfstream.cli.plot import plot_breakdown, plot_loss, plot_timeline
 from hfstream.gradsync.stats import StepTimes
 from hfstream.report.fields import FIELDS, KEYS, MEASURED, SHARDED_ONLY
 from hfstream.report.format import format_report

@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from hfstream.tools.bench import cli as bench_cli
-from hfstream.tools.bench import prefetch as bench_prefetch
-from hfstream.tools.bench import session, soak
-from hfstream.tools.bench.summary import format_bench_table, summarize_results
-from hfstream.tools.plan import main as plan_main
+from hfstream.cli.bench import cli as bench_cli
+from hfstream.cli.bench import prefetch as bench_prefetch
+from hfstream.cli.bench import session, soak
+from hfstream.cli.bench.summary import format_bench_table, summarize_results
+from hfstream.plan import main as plan_main
 
 WIDTH = 100
 
@@ -154,7 +154,7 @@ def _blue_pixels(path) -> int:
 
 
 def test_loss_figure_of_a_run_shorter_than_logging_steps_still_shows_its_loss(tmp_path):
-    from hfstream.tools.plot import plot_loss
+    from hfstream.cli.plot import plot_loss
 
     # What Trainer.log_history holds after 3 steps with logging_steps=10: the end-of-train summary only.
     history = [{"train_runtime": 1.0, "train_samples_per_second": 12.0, "train_loss": 4.1, "epoch": 0.1, "step": 3}]

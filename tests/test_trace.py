@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.tools.trace import TraceSteps, parse_step_range
+from hfstream.cli.trace import TraceSteps, parse_step_range
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 

@@ -15,7 +15,7 @@ import pytest
 from transformers import Trainer, TrainingArguments
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.doctor import REPORT_FILE, find_report
+from hfstream.cli.doctor import REPORT_FILE, find_report
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 CASES = {

@@ -236,7 +236,7 @@ def _sft_parity(rank, world_size, tmp):
     from trl import SFTConfig, SFTTrainer
 
     from hfstream import StreamTrainerMixin
-    from hfstream.tools.data import byte_tokenizer
+    from hfstream.cli.data import byte_tokenizer
 
     class SFTStream(StreamTrainerMixin, SFTTrainer):
         pass

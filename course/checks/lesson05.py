@@ -754,7 +754,7 @@ def _run_modes(models, x, y, opts, rec, sync, steps, world_size, rank) -> tuple[
 def _demo_rank(rank: int, world_size: int, path: str | None, steps: int, link_ratio: float) -> dict:
     from course.lib import TinyMLP, random_regression
     from hfstream.gradsync import GradSync
-    from hfstream.tools.link import SimulatedLink, ring_allreduce_bytes
+    from hfstream.testing.link import SimulatedLink, ring_allreduce_bytes
 
     models = {mode: TinyMLP(dim=FIG_DIM, hidden=FIG_DIM, layers=FIG_LAYERS, seed=0) for mode in ("serial", "overlap")}
     x, y = random_regression(n=FIG_BATCH, dim=FIG_DIM, seed=1 + rank)

@@ -595,7 +595,7 @@ def _sweep_rank(rank: int, world_size: int, path: str | None, plans: dict | None
 
     from course.lib import tiny_gpt2
     from hfstream.gradsync import GradSync
-    from hfstream.tools.link import SimulatedLink, ring_allreduce_bytes
+    from hfstream.testing.link import SimulatedLink, ring_allreduce_bytes
 
     transformers.logging.set_verbosity_error()
     gen = torch.Generator().manual_seed(100 + rank)
@@ -692,7 +692,7 @@ def measure_sweep(namespace: dict, caps=SWEEP_CAPS, steps: int = 4, loopback_ste
           (" with your plan_buckets" if path and mine_plan else " with hfstream's planner")
     out = run_on_ranks(_sweep_rank, 2, path, plans, labels, steps, loopback_steps, bandwidth_ratio, latency_ratio,
                        timeout=150, pg_timeout_s=60)
-    from hfstream.tools.link import SimulatedLink
+    from hfstream.testing.link import SimulatedLink
 
     link = SimulatedLink(rate_mbit=out[0]["rate_mbit"], latency_ms=out[0]["latency_ms"])
     sizes = {n: p.numel() * p.element_size() for n, p in named}

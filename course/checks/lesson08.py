@@ -495,7 +495,7 @@ def _(learner):
                     f"than it gave, so the error is negative (prediction minus measurement)", reveal=ADVICE_REVEAL)
     if math.isclose(err, (60.0 - 64.0) / 60.0, abs_tol=1e-9) or math.isclose(err, (64.0 - 60.0) / 60.0, abs_tol=1e-9):
         raise Wrong(f"error is {err:+.4f}, a fraction of the prediction: take it as a fraction of the measured step, "
-                    f"as hfstream.tools.bench.advice reports it", reveal=ADVICE_REVEAL)
+                    f"as dev.bench.advice reports it", reveal=ADVICE_REVEAL)
     if math.isclose(abs(err), 4.0, abs_tol=1e-9):
         raise Wrong("error is in milliseconds: give it as a fraction of the measured step (0.05 for 5 %)", reveal=ADVICE_REVEAL)
     if math.isclose(err, (100.0 - 64.0) / 64.0, abs_tol=1e-9) or math.isclose(err, (64.0 - 100.0) / 64.0,
@@ -565,8 +565,8 @@ def advice_sentences(before: dict, result: dict, after: dict | None = None) -> l
              f"{result['mine_ms']:.1f} ms;",
              f"after {applied}: step {result['measured_ms']:.1f} ms, "
              f"{m['step_ms'] / result['measured_ms']:.2f} x faster than before;"]
-    verdict = ("within the 25 % that hfstream.tools.bench.advice aims for" if abs(err) <= 0.25
-               else "outside the 25 % that hfstream.tools.bench.advice aims for")
+    verdict = ("within the 25 % that dev.bench.advice aims for" if abs(err) <= 0.25
+               else "outside the 25 % that dev.bench.advice aims for")
     direction = ("the advice promised a faster step than this run gave" if err < 0 else
                  "the run was faster than the advice promised" if err > 0 else "exactly as promised")
     lines.append(f"the advice's prediction was off by {err:+.1%} of the measured step ({direction}), {verdict}.")

@@ -3,7 +3,7 @@ final challenge, a real 2-rank run over a slow link graded on its measured dista
 
 The lab (`run_lab`) is what the lesson measures and what 09.final_challenge grades: two gloo
 ranks train the same MLP on the same slow data source over a simulated link
-(`hfstream.tools.link.SimulatedLink`), once per configuration, the configurations interleaved step
+(`hfstream.testing.link.SimulatedLink`), once per configuration, the configurations interleaved step
 by step so that a slow second of a shared machine hits all of them alike. The link and the data
 source follow this machine's compute (each run's recent backward), so the regime is the same on a
 fast laptop and a loaded CI box: all-reducing the gradients in one piece takes 1.2 x backward
@@ -177,7 +177,7 @@ def _lab_rank(rank: int, world_size: int, configs: dict, lab: dict, seed: int, s
     import torch
     import torch.distributed as dist
 
-    from hfstream.tools.link import SimulatedLink
+    from hfstream.testing.link import SimulatedLink
 
     torch.manual_seed(0)
     calibration = _calibrate(lab)
@@ -309,7 +309,7 @@ def _plan_case(model: str = "llama-8b", **overrides):
     """(shape, cfg, buckets as (bytes, ready)) of a planner scenario."""
     import dataclasses
 
-    from hfstream.tools.plan import PlanConfig, load_model, predict_buckets
+    from hfstream.plan import PlanConfig, load_model, predict_buckets
 
     shape = load_model(model)
     cfg = dataclasses.replace(PlanConfig(), **overrides)
@@ -347,7 +347,7 @@ def _ring_variants(nbytes: float, n: int, gbs: float, lat_us: float) -> list[tup
 
 def diagnose_ring(got: float, nbytes: float, n: int, gbs: float, lat_us: float) -> str | None:
     """The hint for a wrong ring all-reduce time, or None when ``got`` is right."""
-    from hfstream.tools.plan import allreduce_s
+    from hfstream.plan import allreduce_s
 
     want = allreduce_s(nbytes, n, gbs, lat_us) * 1e3
     if math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12):
@@ -384,7 +384,7 @@ def _(learner):
         hint = diagnose_ring(float(got), nbytes, n, gbs, lat)
         if hint:
             raise Wrong(hint, reveal=REVEAL_RING)
-    return "6 sizes and world sizes, as hfstream.tools.plan.allreduce_s"
+    return "6 sizes and world sizes, as hfstream.plan.allreduce_s"
 
 
 @scaling.case("comm busy, serial step and ceiling of llama-8b for N = 1 .. 1024, as the planner",
@@ -392,7 +392,7 @@ def _(learner):
                    "for all of them after backward; the ceiling is lesson 00's", reveal=REVEAL_STEP,
               after=RING_CASE)
 def _(learner):
-    from hfstream.tools.plan import allreduce_s, predict_row
+    from hfstream.plan import allreduce_s, predict_row
 
     shape, cfg, buckets = _plan_case()
     sizes = [b for b, _ in buckets]
@@ -455,12 +455,12 @@ REVEAL_MIN_LINK = ("B = 2(N-1)/N x total bytes / (backward - 2(N-1) x latency x 
                    "math.inf when the latency terms alone exceed backward; 0 for N = 1")
 
 
-@crossover.case("the first N whose comm busy exceeds backward, as hfstream.tools.plan.overlap_limit",
+@crossover.case("the first N whose comm busy exceeds backward, as hfstream.plan.overlap_limit",
                 hint="comm busy grows with N, so the answer is where a yes/no question flips: search for it "
                      "without walking every N; return None when even the largest N stays within backward",
                 reveal=REVEAL_CROSSOVER, timeout=30.0)
 def _(learner):
-    from hfstream.tools.plan import overlap_limit, predict_row
+    from hfstream.plan import overlap_limit, predict_row
 
     answers = []
     for label, model, over in CROSSOVER_CASES:
@@ -517,7 +517,7 @@ def _crossover_at_the_boundary(learner) -> None:
 def _(learner):
     import dataclasses
 
-    from hfstream.tools.plan import predict_row
+    from hfstream.plan import predict_row
 
     shape, cfg, buckets = _plan_case()
     sizes = [b for b, _ in buckets]
@@ -613,7 +613,7 @@ def _schedule_cases():
     """(label, buckets, forward, backward, optimizer, N, link GB/s, latency us) and the planner's step."""
     import dataclasses
 
-    from hfstream.tools.plan import ModelShape, PlanConfig, predict_buckets, predict_row
+    from hfstream.plan import ModelShape, PlanConfig, predict_buckets, predict_row
 
     out = []
     for model, over, n in (("llama-8b", {}, 8), ("llama-8b", {"bucket_mb": 100.0}, 64),
@@ -639,7 +639,7 @@ def _schedule_cases():
                      "and the link has finished the previous bucket; the optimizer waits for backward and for "
                      "the last reduction", reveal=REVEAL_SCHEDULE)
 def _(learner):
-    from hfstream.tools.plan import allreduce_s
+    from hfstream.plan import allreduce_s
 
     cases = _schedule_cases()
     for label, buckets, row, n, cfg in cases:
@@ -669,7 +669,7 @@ def _(learner):
             raise Wrong(head + "You started every bucket at its ready time, but the link reduces one bucket at a "
                         "time: a bucket also waits for the previous one to finish", reveal=REVEAL_SCHEDULE)
         raise AssertionError(head.rstrip(". "))
-    return f"{len(cases)} schedules, as hfstream.tools.plan.predict_row"
+    return f"{len(cases)} schedules, as hfstream.plan.predict_row"
 
 
 CONFIG_CASE = "the configuration is one the lab can run"

@@ -40,7 +40,7 @@ import tempfile
 
 import datasets
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.tools.plot import plot_breakdown, plot_timeline
+from hfstream.cli.plot import plot_breakdown, plot_timeline
 
 # %% [markdown]
 # ## A Trainer run, timed phase by phase
@@ -109,7 +109,7 @@ for span in report["spans"][:4]:
 # A **span** is one interval of a timeline: `(rank, lane, name, start, end)`, start and end in
 # seconds. The *rank* says which process, the *lane* which kind of work (`"data"`, `"compute"`,
 # `"comm"`: on a GPU, which stream), the *name* which phase. hfstream's timeline produces exactly
-# these tuples, and `hfstream.tools.plot.plot_timeline(spans, path)` draws any list of them.
+# these tuples, and `hfstream.cli.plot.plot_timeline(spans, path)` draws any list of them.
 #
 # Write `Spans.span(lane, name)`: a context manager (the `@contextlib.contextmanager` decorator is
 # given) that reads `self.clock()` when the block starts and again when it ends, and appends

@@ -249,7 +249,7 @@ check("05.finish")
 #    no wire: gloo's all-reduce is memory copies and additions done by gloo's own threads on the
 #    same CPU cores that run backward. What it costs is CPU time, not link time.
 # 2. **Over a simulated link**, to see what overlap does when the link, not the CPU, is the
-#    bottleneck: hfstream's `hfstream.tools.link.SimulatedLink` (docs/design.md section 5)
+#    bottleneck: hfstream's `hfstream.testing.link.SimulatedLink` (docs/design.md section 5)
 #    replaces `dist.all_reduce` by a function that launches the same real gloo reduction and
 #    returns a `Work` that completes no earlier than `latency + 2(N-1)/N x bytes / bandwidth` after
 #    launch (and after the previous transfer: the link carries one at a time). The delay is a
@@ -266,7 +266,7 @@ check("05.finish")
 
 # %%
 from course.checks.lesson05 import measure_overlap
-from hfstream.tools.plot import plot_timeline
+from hfstream.cli.plot import plot_timeline
 
 
 def parts(label, r):
@@ -418,7 +418,7 @@ print(f"loss.backward() returned on the host at {(h1 - h0) * 1e3:.3f} ms")
 # all-reduce) on a process group of one rank (NCCL on CUDA): one rank has no partner, so each
 # reduction is short; the trace shows *where* it runs (NCCL's own stream) and *when* (while
 # backward's kernels still run on the compute stream), not what a real link costs. No simulation
-# here. The Trainer equivalent is `hfstream.tools.trace.TraceSteps`. The trace file opens in
+# here. The Trainer equivalent is `hfstream.cli.trace.TraceSteps`. The trace file opens in
 # https://ui.perfetto.dev.
 
 # %% tags=["gpu"]

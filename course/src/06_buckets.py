@@ -220,7 +220,7 @@ check("06.bucketed_sync")
 # 1. **For real**, over this machine's loopback, nothing simulated. Each collective's fixed cost
 #    is real here (gloo's scheduling, a few socket round trips), but the bytes cost CPU time on
 #    the cores that also run backward, not link time.
-# 2. **Over lesson 05's simulated link** (`hfstream.tools.link.SimulatedLink`), now with a
+# 2. **Over lesson 05's simulated link** (`hfstream.testing.link.SimulatedLink`), now with a
 #    fixed cost per collective too. Both are sized from this machine's own backward, so the
 #    picture does not depend on how fast your laptop is:
 #    - bandwidth: all gradients, in one transfer, take as long as backward (`bandwidth_ratio=1`);

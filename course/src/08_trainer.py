@@ -36,7 +36,7 @@ import dataclasses, json, signal, subprocess, sys, tempfile
 from pathlib import Path
 from transformers import Trainer, TrainingArguments
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.tools.plot import plot_breakdown, plot_timeline
+from hfstream.cli.plot import plot_breakdown, plot_timeline
 from hfstream.testing import free_port
 from course.checks.lesson08 import STOCK, migration_file, tiny_dataset
 from course.grading import is_stub
@@ -298,7 +298,7 @@ check("08.read_report")
 # %% [markdown]
 # ## The figures: the two-node run, measured
 #
-# `hfstream.tools.plot.plot_breakdown` stacks each rank's parts against its ceiling (dashed);
+# `hfstream.cli.plot.plot_breakdown` stacks each rank's parts against its ceiling (dashed);
 # `plot_timeline` draws the report's `spans` — each rank's last steps, lane by lane: data, compute,
 # and the reductions of each bucket on the comm lane, overlapping backward where overlap works.
 

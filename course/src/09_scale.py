@@ -46,9 +46,9 @@ import torch.nn.functional as F
 import torch.distributed as dist
 from course.lib import *
 import dataclasses
-from hfstream.tools.plan import (PlanConfig, ModelShape, load_model, plan, predict_buckets, predict_row, overlap_limit,
+from hfstream.plan import (PlanConfig, ModelShape, load_model, plan, predict_buckets, predict_row, overlap_limit,
                                  allreduce_s, ring_factor, calibrated_tflops, calibrated_mem_bandwidth_gbs)
-from hfstream.tools.plan import main as hfstream_plan   # `hfstream plan ...` on the command line
+from hfstream.plan import main as hfstream_plan   # `hfstream plan ...` on the command line
 
 # %% [markdown]
 # ## The planner
@@ -121,7 +121,7 @@ print("comm busy exceeds backward from N =", overlap_limit(shape, cfg, buckets))
 #   ceiling).
 #
 # Derive `ring_allreduce_ms` from the two passes described at the top of the lesson. The check
-# compares you with `hfstream.tools.plan` for llama-8b's buckets (their count is printed above) at
+# compares you with `hfstream.plan` for llama-8b's buckets (their count is printed above) at
 # N = 1, 2, 8, 64, 1024.
 
 # %%
@@ -194,7 +194,7 @@ print(f"at N = 1024 the latency terms of one 25 MiB all-reduce take {total - bw_
 #   needs no link: 0.
 #
 # You may call your `ring_allreduce_ms` and `predict_step` from above. The check compares with
-# `hfstream.tools.plan.overlap_limit` in four situations and tests your bandwidth with the planner.
+# `hfstream.plan.overlap_limit` in four situations and tests your bandwidth with the planner.
 
 # %%
 def crossover_world_size(backward_ms, bucket_bytes, link_gbs, latency_us, max_world_size=2**40):
@@ -304,7 +304,7 @@ print(f"on this machine's loopback, reducing all {real['grad_bytes'] / 2**20:.2f
 #
 # ### A simulated slow link
 #
-# From here on the ranks talk through `hfstream.tools.link.SimulatedLink`: the real gloo
+# From here on the ranks talk through `hfstream.testing.link.SimulatedLink`: the real gloo
 # all-reduce runs, and its completion is delayed until latency + 2(N-1)/N x bytes / rate after its
 # launch, one all-reduce at a time on the link, without blocking compute. So that the lab is in
 # the same regime on a fast laptop and a loaded shared box, the link and the data follow the
@@ -361,7 +361,7 @@ print_runs(explore["runs"])
 # the 2(N-1) = 2 ring steps of two ranks, so that your `ring_allreduce_ms` prices it), and the
 # buckets each cap makes, `lab_buckets(cap)`: `[(bytes, ready), ...]` in launch order, `ready`
 # being the fraction of backward done when the bucket's last gradient exists (the cut GradSync
-# makes, from `hfstream.tools.plan.predict_buckets`).
+# makes, from `hfstream.plan.predict_buckets`).
 
 # %%
 ref = explore["runs"]["serial + prefetch 2"]
@@ -393,7 +393,7 @@ for cap in (0, 3 / 8, 25.0):
 #   (its `ready` fraction of backward) *and* the link has finished the previous bucket; the link
 #   reduces one bucket at a time, each priced by your `ring_allreduce_ms`; the optimizer starts
 #   when backward has ended and the last reduction is done. The check compares it with
-#   `hfstream.tools.plan.predict_row` on llama-8b, llama-1b and the lab model.
+#   `hfstream.plan.predict_row` on llama-8b, llama-1b and the lab model.
 # - `final_run_config()`: the settings of your graded run, `grad_sync` (`"serial"` or
 #   `"overlap"`), `bucket_mb` (MiB; 0 = one tensor per bucket, `float("inf")` = one bucket) and
 #   `prefetch_depth` (0 = none). Choose the cap with your planner on the lab's inputs above;

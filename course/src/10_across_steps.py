@@ -102,8 +102,8 @@ check("10.reduce_scatter")
 # real gloo processes** against `dist.all_reduce`, twice:
 #
 # - on a **simulated** 1 Gbit/s link. There is no real slow network on one laptop (as root,
-#   `hfstream.tools.bench.netns` can rate-limit a real loopback; that needs privileges this
-#   course does not assume). The simulation (`hfstream.tools.link.SimulatedLink`) runs every
+#   `hfstream.cli.bench.netns` can rate-limit a real loopback; that needs privileges this
+#   course does not assume). The simulation (`hfstream.testing.link.SimulatedLink`) runs every
 #   transfer for real and then holds its completion until the bytes this rank sends would have
 #   crossed a link of that bandwidth, one transfer after the other. What it leaves out:
 #   per-message latency (a ring's 2(N−1) steps each pay one, so real small transfers cost more
@@ -136,7 +136,7 @@ show(rs_figure(rs, figure_path("10_reduce_scatter.png")))
 # one: both put the same bytes on the wire, so a gap between them is memory work, not the wire:
 # a fresh N·S-element buffer on every call, one more pass to divide, one to sum.
 # `GradSync(mode="sharded")` allocates its buffers once per bucket and sums in place; its
-# probe (`python -m hfstream.tools.bench.collectives`, docs/design.md section 7) is why it uses
+# probe (`python -m dev.bench.collectives`, docs/design.md section 7) is why it uses
 # all-to-all plus a local sum on gloo (gloo's own reduce-scatter costs a whole all-reduce there)
 # and NCCL's real reduce-scatter on GPUs.
 #
@@ -320,7 +320,7 @@ check("10.gather_hook")
 #
 # The next cell trains a tiny GPT-2 on 2 gloo processes with hfstream's `GradSync` in
 # `"overlap"` mode (lesson 06's buckets) and in `"sharded"` mode, with AdamW and clipping at
-# 1.0, on the same **simulated** link as above (`hfstream.tools.link.SimulatedLink`: bandwidth
+# 1.0, on the same **simulated** link as above (`hfstream.testing.link.SimulatedLink`: bandwidth
 # only, no latency). It runs in rounds: each round first times a few steps with no
 # communication at all (forward, backward, optimizer: the parts DDP's best and the limit are
 # computed from), sizes the link from them, then runs a block of consecutive steps of each mode

@@ -65,7 +65,7 @@ WAITING_CPU_SHARE = 0.5
 # producer thread ran than while none did: the producer takes the GIL (or, with no spare core, a core)
 # from the step, and a thread beside it slows the step as much as it hides.
 CONTENTION_LOSS = 0.15
-# What the sweep (`hfstream.tools.bench.sweep`, seed 0, 24 runs, 2026-12-03 06:18 UTC on the 2-core
+# What the sweep (`dev.bench.sweep`, seed 0, 24 runs, 2026-12-03 06:18 UTC on the 2-core
 # CPU runner at load 0.6-1.9; docs/benchmarks.md, the sweep section) measured of each kind of
 # prediction, by `_kind`: (the median share of the predicted saving that the run applying it
 # realised, the median |predicted - measured| / measured of the model's step). Each prediction keeps

@@ -1,6 +1,6 @@
 """The step's schedule on one link: what overlap and sharded mode leave exposed, from part times.
 
-One model, two users: the planner (`hfstream.tools.plan.predict`, from FLOPs and a link it is
+One model, two users: the planner (`hfstream.plan.predict`, from FLOPs and a link it is
 told) and the report's advice (`hfstream.report.advice`, from a run's measured parts). Times in ms;
 ``ready`` is the fraction of backward done when each bucket's last gradient exists, buckets in
 plan (backward) order, one collective at a time on the link.

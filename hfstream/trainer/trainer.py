@@ -744,7 +744,7 @@ class StreamTrainerMixin:
 
         A dict with ``mean`` (averaged over ranks) and ``per_rank`` (each rank's mean over its
         steps after the first), each holding the fields of docs/design.md section 4, and ``spans``
-        (every rank's timeline of its last few steps, for `hfstream.tools.plot.plot_timeline`);
+        (every rank's timeline of its last few steps, for `hfstream.cli.plot.plot_timeline`);
         ``print()`` shows it as a table. Local and cheap: the gathering happened when training
         ended, on every rank.
         """

@@ -10,7 +10,7 @@ for by forward pre-hooks; and the measurements behind the lesson's figures. One 
     trainer.py         StreamTrainer(grad_sync="sharded") on 2 processes; a profiler trace on a GPU
 
 The measurements use real gloo processes (`hfstream.testing.run_on_ranks`): on the bare loopback,
-and on `hfstream.tools.link.SimulatedLink`, which delays the completion of every all-reduce,
+and on `hfstream.testing.link.SimulatedLink`, which delays the completion of every all-reduce,
 all-to-all, all-gather and point-to-point transfer to what its bytes would take at a given bandwidth.
 """
 

@@ -1,7 +1,7 @@
 """The measurements behind lesson 10's figures, on real gloo processes: the learner's reduce-scatter
 against all_reduce, and DDP's best vs overlap vs sharded against the cross-step limit.
 
-The simulated link is `hfstream.tools.link.SimulatedLink` (all-reduce, all-to-all, all-gather).
+The simulated link is `hfstream.testing.link.SimulatedLink` (all-reduce, all-to-all, all-gather).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hfstream.report.timeline import cross_step_limit
-from hfstream.tools.link import SimulatedLink
+from hfstream.testing.link import SimulatedLink
 
 from .reduce_scatter import learner_reduce_scatter
 

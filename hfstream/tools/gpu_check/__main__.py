@@ -1,8 +1,0 @@
-"""``python -m hfstream.tools.gpu_check``: see the package's docstring."""
-
-import sys
-
-from hfstream.tools.gpu_check.runner import main
-
-if __name__ == "__main__":
-    sys.exit(main())

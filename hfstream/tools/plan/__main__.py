@@ -1,7 +1,0 @@
-"""``python -m hfstream.tools.plan``: the same planner as ``hfstream plan``."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())
