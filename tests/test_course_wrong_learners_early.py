@@ -386,6 +386,153 @@ wrong("02.lifetime", "event_on_the_compute_stream", _changed(LIFETIME, "    done
       ["recorded on the compute stream"])
 
 
+# =============================================================================================== 03.data_wait
+DATA_WAIT = """
+def timed_epoch(batches, step, max_steps=None):
+    waits, steps = [], []
+    it = iter(batches)
+    while max_steps is None or len(steps) < max_steps:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        t1 = time.perf_counter()
+        step(batch)
+        t2 = time.perf_counter()
+        waits.append((t1 - t0) * 1e3)
+        steps.append((t2 - t0) * 1e3)
+    return {"data_wait_ms": waits, "step_ms": steps}
+
+
+def expected_step_ms(collate_ms, compute_ms, depth):
+    if depth == 0:
+        return collate_ms + compute_ms
+    return max(collate_ms, compute_ms)
+"""
+RIGHT["03.data_wait"] = (DATA_WAIT, None)
+# next(it, None) as the end: a loader that yields None (a step with no input, a filtered sample) ends the epoch.
+# The old check's loaders yielded 0, 1, 2, 3.
+wrong("03.data_wait", "none_ends_the_epoch", _changed(DATA_WAIT, """        try:
+            batch = next(it)
+        except StopIteration:
+            break""", """        batch = next(it, None)
+        if batch is None:
+            break"""), ["which is None", "StopIteration"])
+# `if max_steps and ...`: max_steps=0 is falsy and runs the whole loader. The old check tried max_steps=3 only.
+wrong("03.data_wait", "max_steps_zero_runs_everything", _changed(
+    DATA_WAIT, "    while max_steps is None or len(steps) < max_steps:",
+    "    while not max_steps or len(steps) < max_steps:"), ["max_steps=0", "is None"])
+# The count checked after next(): one batch taken from the loader and dropped. The old check's loader was a list.
+wrong("03.data_wait", "a_batch_taken_past_the_last_step", _changed(_changed(
+    DATA_WAIT, "    while max_steps is None or len(steps) < max_steps:", "    while True:"), """            break
+        t1 = time.perf_counter()""", """            break
+        if max_steps is not None and len(steps) >= max_steps:
+            break
+        t1 = time.perf_counter()"""), ["took a batch after the last step"])
+# A deeper queue taken to divide the collate: the old check failed it with the bare numbers.
+wrong("03.data_wait", "depth_divides_the_collate", _changed(
+    DATA_WAIT, "    return max(collate_ms, compute_ms)", "    return max(collate_ms / depth, compute_ms)"),
+      ["one thread collates one batch at a time"])
+
+# =============================================================================================== 03.prefetcher
+PREFETCH = """
+def prefetch(iterable, depth=2):
+    q = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item):
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def produce():
+        try:
+            for item in iterable:
+                if not put(("batch", item)):
+                    return
+        except BaseException as exc:
+            put(("error", exc))
+            return
+        put(("end", None))
+
+    thread = threading.Thread(target=produce, name="prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            kind, payload = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise payload
+            yield payload
+    finally:
+        stop.set()
+        thread.join()
+"""
+RIGHT["03.prefetcher"] = (PREFETCH, None)
+# None as the end marker (the lesson warns against it): the old check's loaders never yielded None.
+wrong("03.prefetcher", "none_as_the_end_marker", _changed(_changed(_changed(
+    PREFETCH, 'if not put(("batch", item)):', "if not put(item):"), 'put(("end", None))', "put(None)"),
+    """            kind, payload = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise payload
+            yield payload""", """            item = q.get()
+            if item is None:
+                return
+            if isinstance(item, tuple) and item and item[0] == "error":
+                raise item[1]
+            yield item"""), ["which is None", "end marker"])
+# get(timeout=0.5) and queue.Empty taken for the end: an epoch ends at the loader's first slow batch. The old
+# check's loaders never paused.
+wrong("03.prefetcher", "empty_queue_taken_for_the_end", _changed(PREFETCH, """            kind, payload = q.get()""",
+                                                               """            try:
+                kind, payload = q.get(timeout=0.5)
+            except queue.Empty:
+                return"""), ["still preparing batch", "not the end"])
+# join(timeout=0.05) in the finally: the thread, still inside a slow loader's next(), runs on after the loop has
+# moved on. The old check stopped the loop only on loaders that never paused.
+wrong("03.prefetcher", "join_with_a_timeout", _changed(PREFETCH, "        thread.join()", "        thread.join(timeout=0.05)"),
+      ["while the loader pauses", "still running"])
+
+# =============================================================================================== 03.depth
+DEPTH = """
+def longest_wait_ms(worst_collate_ms, compute_ms, depth):
+    if depth == 0:
+        return worst_collate_ms
+    return max(0.0, worst_collate_ms - (depth + 1) * compute_ms)
+
+
+def depth_needed(worst_collate_ms, compute_ms):
+    return max(1, math.ceil(worst_collate_ms / compute_ms) - 1)
+"""
+RIGHT["03.depth"] = (DEPTH, None)
+# `>` where `>=` belongs: one too deep exactly when the slow batch is a whole number of steps; the old check said
+# "the batch in the thread's hand counts too", which this learner counted.
+wrong("03.depth", "strict_at_the_boundary", _changed(DEPTH, "    return max(1, math.ceil(worst_collate_ms / compute_ms) - 1)",
+                                                     """    depth = 1
+    while (depth + 1) * compute_ms <= worst_collate_ms:
+        depth += 1
+    return depth"""), ["which is no wait", ">="], ["in the thread's hand"])
+# A search over depths 1 to 9: right for every old case (the deepest answer there was 8).
+wrong("03.depth", "search_stops_at_nine", _changed(DEPTH, "    return max(1, math.ceil(worst_collate_ms / compute_ms) - 1)",
+                                                   """    for depth in range(1, 10):
+        if longest_wait_ms(worst_collate_ms, compute_ms, depth) == 0:
+            return depth"""), ["past the depths you searched"])
+# A search from depth 0: with no slow batch at all it answers 0, "no prefetcher".
+wrong("03.depth", "search_from_depth_zero", _changed(DEPTH, "    return max(1, math.ceil(worst_collate_ms / compute_ms) - 1)",
+                                                     """    depth = 0
+    while longest_wait_ms(worst_collate_ms, compute_ms, depth) > 0:
+        depth += 1
+    return depth"""), ["smallest depth >= 1 is 1"])
+
+
 @pytest.fixture
 def quiet_machine(monkeypatch):
     """00.predict's measured cases on a canned measurement: every step exactly as the schedules say."""

@@ -8,10 +8,12 @@ iterator runs in a helper thread with a deadline, so a hang becomes a hint inste
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import threading
 import time
 
+from course.checks.drawn import falsify
 from course.grading import Exercise, Wrong
 
 _HELPER = "course-check-"      # name prefix of this module's own threads
@@ -82,7 +84,7 @@ def _within(seconds: float, fn, *args):
     return (not t.is_alive()), box.get("value"), box.get("error"), box.get("ident")
 
 
-def _settle(src: _Source, quiet_s: float = 0.4, limit_s: float = 3.0) -> int:
+def _settle(src: _Source, quiet_s: float = 0.25, limit_s: float = 3.0) -> int:
     """Wait until ``src`` has not been pulled for ``quiet_s`` (the thread is blocked); return the count."""
     deadline = time.monotonic() + limit_s
     last, since = src.pulled, time.monotonic()
@@ -126,12 +128,26 @@ class _SlowNext:
             yield i
 
 
+class _Pausing:
+    """Batches whose next() pauses a different time each (ms)."""
+
+    def __init__(self, pauses):
+        self.pauses = pauses
+
+    def __iter__(self):
+        for i, p in enumerate(self.pauses):
+            time.sleep(p / 1e3)
+            yield i
+
+
 @data_wait.case("data_wait_ms is the time inside next(), step_ms the whole step",
                 hint="data wait is the time spent getting the batch only; the step runs from its start to its end; "
                      "both in milliseconds",
                 reveal="t0 = perf_counter(); batch = next(it); t1 = perf_counter(); step(batch); "
                        "t2 = perf_counter(): wait = t1 - t0, step = t2 - t0, in milliseconds", timeout=30)
 def _(learner):
+    """Property: per step, data_wait_ms is the time inside that step's next() and step_ms runs from asking for
+    the batch to the end of step(batch), in ms; on a loader pausing differently per batch, each its own."""
     calls = []
 
     def step(batch):
@@ -161,7 +177,18 @@ def _(learner):
                     "batch to the end of step(batch), so it is data wait + compute (30 + 60 ms here)")
     assert 28 <= w <= 70, f"median data wait {w:.1f} ms, expected about 30"
     assert 85 <= s <= 150, f"median step {s:.1f} ms, expected about 90"
-    return f"data wait {w:.0f} ms, step {s:.0f} ms (30 + 60 expected)"
+    # A loader that pauses differently for each batch: each step's wait is its own batch's pause.
+    pauses = (2.0, 24.0, 2.0, 12.0)
+    out = learner.timed_epoch(_Pausing(pauses), lambda batch: time.sleep(0.008))
+    got = [float(v) for v in out["data_wait_ms"]]
+    for k, (g, p) in enumerate(zip(got, pauses)):
+        if not p - 0.5 <= g <= p + 7.0:
+            near = next((j for j, q in enumerate(pauses) if j != k and q - 0.5 <= g <= q + 7.0), None)
+            where = f", the pause of batch {near}" if near is not None else ""
+            raise Wrong(f"a loader whose next() pauses {', '.join(f'{q:g}' for q in pauses)} ms gave data waits of "
+                        f"{', '.join(f'{v:.0f}' for v in got)} ms: step {k}'s wait is {g:.0f} ms{where}, not its own "
+                        f"batch's {p:g} ms. Time next() for the batch that step then uses, in that same step")
+    return f"data wait {w:.0f} ms, step {s:.0f} ms (30 + 60 expected); waits of {len(pauses)} uneven pauses each its own"
 
 
 @data_wait.case("max_steps stops the loop early",
@@ -179,16 +206,98 @@ def _(learner):
         f"3 steps ran but the lists hold {len(out['data_wait_ms'])} and {len(out['step_ms'])} entries"
 
 
+class _Counted:
+    """A loader of given items (None and 0 among them) that counts the items it gave."""
+
+    def __init__(self, items):
+        self.items, self.given = list(items), 0
+
+    def __iter__(self):
+        for item in self.items:
+            self.given += 1
+            yield item
+
+
+def _draw_sources(seed: int = 31, count: int = 8) -> list[tuple]:
+    """``(items, max_steps)``: 0 to 6 items, some None or 0 (a loader may yield those), and max_steps None, 0, below,
+    equal to and above the length."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        n = rng.randint(2, 6) if k else 0
+        items = [rng.choice([None, 0, f"b{i}", f"b{i}", f"b{i}"]) for i in range(n)]
+        if k in (1, 2) and None not in items:
+            items[rng.randrange(n)] = None
+        limit = (None, 0, max(1, n - 2), n, n + 2)[k % 5]
+        out.append((tuple(items), limit))
+    return out
+
+
+def _source_mistake(learner, case) -> str | None:
+    items, limit = case
+    src, calls = _Counted(items), []
+    out = learner.timed_epoch(src, calls.append, max_steps=limit)
+    m = len(items) if limit is None else min(limit, len(items))
+    if calls != list(items[:m]):
+        if limit == 0 and calls:
+            return (f"with max_steps=0 you ran {len(calls)} steps: 0 is a limit too; test `max_steps is None`, not "
+                    f"the truth of max_steps")
+        if len(calls) < m and items[len(calls)] in (None, 0):
+            return (f"your loop stopped at batch {len(calls)}, which is {items[len(calls)]!r}: a loader may yield "
+                    f"None or 0 like any batch; the loop ends only when next() raises StopIteration")
+        return f"step() was called with {calls}, expected the loader's first {m} batches in order"
+    if src.given > m:
+        return (f"with max_steps={limit} the loader gave {src.given} batches for {m} steps: you took a batch after "
+                f"the last step and dropped it. Check the count before calling next()")
+    lens = (len(out["data_wait_ms"]), len(out["step_ms"]))
+    if lens != (m, m):
+        return f"{m} steps ran but you returned {lens[0]} data waits and {lens[1]} step times"
+    return None
+
+
+@data_wait.case("drawn loaders: every batch, None and 0 included, exactly max_steps of them, none taken past the last",
+                hint="each batch of the loader, whatever its value, gets one step, until the loader ends or max_steps "
+                     "steps ran; no batch is taken from the loader that no step uses",
+                after="data_wait_ms is the time inside next(), step_ms the whole step")
+def _(learner):
+    """Property: on drawn loaders of 0 to 6 batches (some None or 0) and max_steps None, 0, below, equal to and
+    above their length, step() gets the loader's first min(n, max_steps) batches in order, the loader gives no
+    more than those, and one wait and one step time come back per step."""
+    cases = _draw_sources()
+
+    def smaller(case):
+        items, limit = case
+        for i in range(len(items)):
+            yield (items[:i] + items[i + 1:], limit if limit is None else min(limit, len(items) - 1))
+
+    found = falsify(cases, lambda case: (None if (why := _source_mistake(learner, case)) is None
+                                         else f"loader {list(case[0])}, max_steps={case[1]}: {why}"),
+                    smaller=smaller, kind=lambda m: m.split(": ", 1)[-1][:30])
+    if found is None:
+        return f"{len(cases)} drawn loaders"
+    raise Wrong(str(found))
+
+
 @data_wait.case("expected step: collate + compute at depth 0, max(collate, compute) with a prefetcher",
                 hint="at depth 0 nothing runs beside the step; with a prefetcher the next batch is collated while "
                      "this one computes",
                 reveal="depth 0: nothing overlaps; depth >= 1: the next collate runs during this compute")
 def _(learner):
-    for collate, compute, depth, want in ((30.0, 20.0, 0, 50.0), (30.0, 20.0, 2, 30.0),
-                                          (10.0, 40.0, 1, 40.0), (10.0, 40.0, 0, 50.0), (10.0, 40.0, 4, 40.0)):
+    """Property: for drawn collate and compute times on both sides of each other and depths 0 to 5, the step is
+    collate + compute without a prefetcher and max(collate, compute) with one."""
+    rng = random.Random(32)
+    drawn = [(float(rng.randint(1, 60)), float(rng.randint(1, 60)), rng.randint(0, 5)) for _ in range(10)]
+    for collate, compute, depth in [(30.0, 20.0, 0), (30.0, 20.0, 2), (10.0, 40.0, 1), (10.0, 40.0, 0),
+                                    (10.0, 40.0, 4)] + drawn:
+        want = collate + compute if depth == 0 else max(collate, compute)
         got = learner.expected_step_ms(collate, compute, depth)
         if got is not None and math.isclose(got, want, rel_tol=1e-9):
             continue
+        if depth > 1 and got is not None and any(math.isclose(got, v, rel_tol=1e-9) for v in (
+                max(collate / depth, compute), max(collate, compute / depth), (collate + compute) / depth)):
+            raise Wrong(f"expected_step_ms({collate:g}, {compute:g}, depth={depth}) returned {got:g}: depth is how "
+                        f"many batches wait ready, not how many are made at once; one thread collates one batch at "
+                        f"a time, so a deeper queue divides neither the collate nor the compute")
         if depth == 0 and got is not None and math.isclose(got, max(collate, compute)):
             raise Wrong("without a prefetcher (depth=0) nothing overlaps: the loop collates, then computes, "
                         "so a step costs collate_ms + compute_ms")
@@ -198,7 +307,7 @@ def _(learner):
         if got is not None and math.isclose(got, min(collate, compute)):
             raise Wrong("a step cannot be shorter than either of its parts: max, not min")
         raise AssertionError(f"expected_step_ms({collate}, {compute}, depth={depth}) returned {got}, expected {want}")
-    return "5 cases"
+    return f"5 cases and {len(drawn)} drawn"
 
 
 # --------------------------------------------------------------------------- 03.prefetcher
@@ -211,6 +320,8 @@ prefetcher = Exercise("03.prefetcher", uses=["prefetch"], title="a depth-N prefe
         reveal="a thread pulls from the iterable and q.put()s each item, then an end marker; "
                       "the generator q.get()s and yields until the marker", timeout=60)
 def _(learner):
+    """Property: for depths 1, 2, 4 and sources of 0, 1, 3, 10 batches, the generator yields the very objects of
+    the source, all of them, in order, pulled by a thread other than the loop's."""
     for depth in (1, 2, 4):
         for n in (0, 1, 3, 10):
             src = _Source(n)
@@ -241,11 +352,100 @@ def _(learner):
     return "depths 1, 2, 4 and sources of 0, 1, 3, 10 batches"
 
 
+class _Items:
+    """A loader of given items, pausing ``pauses[i]`` seconds before item i; it counts what it gave."""
+
+    def __init__(self, items, pauses):
+        self.items, self.pauses, self.given = list(items), list(pauses), 0
+
+    def __iter__(self):
+        for item, pause in zip(self.items, self.pauses):
+            if pause:
+                time.sleep(pause)
+            self.given += 1
+            yield item
+
+
+SLOW_PAUSE_S = 1.1     # a loader this slow for one batch must not end the epoch (a get() with a timeout would)
+
+
+def _draw_item_sources(seed: int = 35, count: int = 5) -> list[tuple]:
+    """``(items, pauses, depth)``: 1 to 6 items, None, 0 and [] among them, depths 1 to 4, short pauses (0 to 20
+    ms), and one source that pauses SLOW_PAUSE_S before its second batch."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        n = rng.randint(2, 6)
+        items = [rng.choice([None, 0, [], object(), object()]) for _ in range(n)]
+        if k == 0:
+            items[rng.randrange(n)] = None
+        pauses = [0.0] * n if k % 2 else [rng.choice((0.0, 0.005, 0.02)) for _ in range(n)]
+        if k == count - 1:
+            items, pauses = [object(), object(), object()], [0.0, SLOW_PAUSE_S, 0.0]
+        out.append((tuple(items), tuple(pauses), rng.randint(1, 4)))
+    return out
+
+
+def _describe_items(items) -> str:
+    return "[" + ", ".join(repr(i) if i is None or i == 0 or i == [] else "a batch" for i in items) + "]"
+
+
+def _items_mistake(learner, case) -> str | None:
+    items, pauses, depth = case
+    src = _Items(items, pauses)
+    done, got, err, _ = _within(_DEADLINE_S + sum(pauses), lambda: list(_call(learner, src, depth)))
+    if not done:
+        return "list(prefetch(...)) never finished"
+    if err is not None:
+        return f"it raised {type(err).__name__}: {err}"
+    if len(got) == len(items) and all(a is b for a, b in zip(got, items)):
+        return None
+    k = next((i for i, (a, b) in enumerate(zip(got, items)) if a is not b), len(got))
+    if len(got) < len(items) and k == len(got):
+        if items[k] is None or (isinstance(items[k], (int, list)) and not items[k]):
+            return (f"your prefetcher ended at batch {k}, which is {items[k]!r}: a loader may yield None, 0 or an "
+                    f"empty batch like any other; the end marker must be something no loader yields (a tagged "
+                    f"tuple, or a unique object())")
+        if pauses[k] >= SLOW_PAUSE_S or (k + 1 < len(pauses) and pauses[k] > 0.5):
+            return (f"your prefetcher ended after {k} batches while the loader was still preparing batch {k} (it "
+                    f"paused {pauses[k]:g} s): an empty queue means a slow loader, not the end. Only the end marker "
+                    f"ends the loop (a get() with a timeout that returns on queue.Empty ends a slow epoch early)")
+        return f"a source of {len(items)} batches gave {len(got)}"
+    return f"batch {k} came out as another object than the loader's"
+
+
+@prefetcher.case("drawn loaders: every batch, None and 0 included, however long the loader pauses",
+                 hint="every item the loader yields comes out, whatever its value, and the epoch ends only when the "
+                      "loader ends, however long it takes for a batch",
+                 after="yields the same batches, in order, read by a background thread", timeout=60)
+def _(learner):
+    """Property: for drawn loaders (items that are None, 0 or empty among real ones, depths 1 to 4, pauses of 0 to
+    20 ms, and one batch that takes SLOW_PAUSE_S), the generator yields every item, the very objects, in order."""
+    cases = _draw_item_sources()
+
+    def smaller(case):
+        items, pauses, depth = case
+        if depth > 1:
+            yield (items, pauses, 1)
+        for i in range(len(items)):
+            if len(items) > 1:
+                yield (items[:i] + items[i + 1:], pauses[:i] + pauses[i + 1:], depth)
+
+    found = falsify(cases, lambda case: (None if (why := _items_mistake(learner, case)) is None
+                                         else f"loader {_describe_items(case[0])}, depth={case[2]}: {why}"),
+                    smaller=smaller, budget=4, kind=lambda m: m.split(": ", 1)[-1][:25])
+    if found is None:
+        return f"{len(cases)} drawn loaders, one pausing {SLOW_PAUSE_S:g} s"
+    raise Wrong(str(found))
+
+
 @prefetcher.case("runs ahead of the loop by at most depth batches",
                  hint="the thread may run at most `depth` batches ahead of the loop",
                  reveal="queue.Queue(maxsize=depth): the thread keeps it full and blocks in put() when it is",
                  timeout=60)
 def _(learner):
+    """Property: at depth 1 and 3, once the thread has settled it has pulled depth or depth + 1 batches more than
+    the loop took, never more and never fewer."""
     for depth in (1, 3):
         src = _Source(60)
         gen = _call(learner, src, depth)
@@ -285,6 +485,7 @@ def _(learner):
                  reveal="in the thread: try/except around the loop, put ('error', exc) in the queue; in the "
                         "generator: raise it when it comes out", timeout=60)
 def _(learner):
+    """Property: a loader that raises at batch 5 gives the loop batches 0-4, then the loader's own exception."""
     src = _Source(10, fail_at=5)
 
     def consume():
@@ -335,6 +536,8 @@ def _(learner):
                         "(put(item, timeout=0.05) in a loop that checks it), then join() the thread",
                  timeout=90)
 def _(learner):
+    """Property: after a `break`, a close() or a loader error, and after a `break` while the loader pauses between
+    batches, no thread of the prefetcher runs on once the loop has moved on, and it pulls no more batches."""
     def stop_by_break(src):
         for i, _ in enumerate(_call(learner, src, 2)):
             if i == 2:
@@ -356,9 +559,15 @@ def _(learner):
         except ValueError:
             pass
 
+    def stop_while_paused(src):
+        for _ in _call(learner, src, 2):
+            break
+
     for how, fn, src, used in (("`break` after 3 batches", stop_by_break, _Source(), 3),
                                ("gen.close() after 2 batches", stop_by_close, _Source(), 2),
-                               ("the loader's error", stop_by_error, _Source(n=50, fail_at=4), 5)):
+                               ("the loader's error", stop_by_error, _Source(n=50, fail_at=4), 5),
+                               ("`break` after 1 batch while the loader pauses 0.15 s before each batch",
+                                stop_while_paused, _Source(delay_s=0.15), 1)):
         before = set(threading.enumerate())
         done, _, err, _ = _within(_DEADLINE_S, fn, src)
         left_at_return = _new_threads(before)     # still running when the loop's stop returned
@@ -412,8 +621,14 @@ def _longest(worst, compute, depth):
                hint="count how much compute runs while the slow batch is being collated, at each depth",
                reveal="depth 0: the whole collate; depth >= 1: max(0, worst - (depth + 1) * compute)")
 def _(learner):
+    """Property: for drawn slow batches (none at all, shorter than a step, exact multiples of a step, up to 60
+    steps long) and depths 0 to 8, the wait is the collate at depth 0 and what (depth + 1) steps of compute do not
+    cover above."""
+    rng = random.Random(33)
+    drawn = [(float(rng.choice((0, rng.randint(1, 30), 25 * rng.randint(1, 8), rng.randint(30, 1500)))), 25.0,
+              rng.randint(0, 8)) for _ in range(12)]
     for worst, compute, depth in ((100.0, 25.0, 1), (100.0, 25.0, 2), (100.0, 25.0, 3), (100.0, 25.0, 6),
-                                  (40.0, 25.0, 1), (100.0, 25.0, 0), (10.0, 25.0, 0)):
+                                  (40.0, 25.0, 1), (100.0, 25.0, 0), (10.0, 25.0, 0), *drawn):
         want = _longest(worst, compute, depth)
         got = learner.longest_wait_ms(worst, compute, depth)
         if got is not None and math.isclose(got, want, abs_tol=1e-9):
@@ -427,26 +642,50 @@ def _(learner):
         if got is not None and got < 0:
             raise Wrong(f"a wait is never negative (you returned {got}): max(0, ...)")
         raise AssertionError(f"longest_wait_ms({worst}, {compute}, {depth}) returned {got}, expected {want}")
-    return "7 cases"
+    return f"7 cases and {len(drawn)} drawn"
 
 
 @depth_ex.case("depth_needed: the smallest depth >= 1 with no wait",
                hint="the answer is the smallest depth >= 1 at which the slow batch no longer makes the loop wait",
                reveal="the smallest depth >= 1 with (depth + 1) * compute_ms >= worst_collate_ms")
 def _(learner):
-    for worst, compute in ((100.0, 25.0), (101.0, 25.0), (20.0, 25.0), (50.0, 25.0), (75.0, 25.0), (260.0, 30.0)):
-        want = next(d for d in range(1, 100) if _longest(worst, compute, d) == 0)
+    """Property: for drawn slow batches (none, shorter than a step, exact multiples of a step where the wait is
+    exactly 0, and up to 60 steps long), depth_needed is the smallest depth >= 1 whose longest wait is 0."""
+    rng = random.Random(34)
+    fixed = [(100.0, 25.0), (101.0, 25.0), (20.0, 25.0), (50.0, 25.0), (75.0, 25.0), (260.0, 30.0)]
+    drawn = [(0.0, 25.0), (float(25 * rng.randint(2, 9)), 25.0), (float(rng.randint(800, 1500)), 25.0),
+             *((float(rng.randint(1, 400)), float(rng.randint(5, 50))) for _ in range(6))]
+    misses = []
+    for worst, compute in fixed + drawn:
+        want = next(d for d in range(1, 1000) if _longest(worst, compute, d) == 0)
         got = learner.depth_needed(worst, compute)
-        if got == want:
-            continue
-        if got == want + 1 and got == math.ceil(worst / compute):
-            raise Wrong(f"depth_needed({worst}, {compute}) returned {got}, one too deep: the batch in the "
-                        "thread's hand counts too, so depth + 1 steps of compute are ready")
-        if got == 0 or (got is not None and got < 1):
-            raise Wrong(f"depth_needed({worst}, {compute}) returned {got}: depth 0 means no prefetcher at all; "
-                        "the answer is at least 1")
-        if got is not None and got == want - 1:
-            raise Wrong(f"depth_needed({worst}, {compute}) returned {got}, which leaves a wait of "
-                        f"{_longest(worst, compute, got):.0f} ms: round up (math.ceil), not down")
-        raise AssertionError(f"depth_needed({worst}, {compute}) returned {got}, expected {want}")
-    return "6 cases"
+        if got != want:
+            misses.append((worst, compute, got, want))
+    if not misses:
+        return f"6 cases and {len(drawn)} drawn"
+    exact = [m for m in misses if m[0] > 0 and m[0] % m[1] == 0 and m[2] == m[3] + 1]
+    if exact and len(exact) == len(misses):
+        worst, compute, got, want = exact[0]
+        raise Wrong(f"depth_needed({worst:g}, {compute:g}) returned {got}: at depth {want} the ready batches cover "
+                    f"{(want + 1) * compute:g} ms, exactly the slow batch's {worst:g} ms, so the wait is 0, which is "
+                    f"no wait. Your answers are right wherever the collate is not a whole number of steps: compare "
+                    f"with >=, not >")
+    worst, compute, got, want = misses[0]
+    if got is None or (isinstance(got, int) and got < want and worst / compute > 10
+                       and all(m[0] / m[1] > 10 for m in misses)):
+        raise Wrong(f"depth_needed({worst:g}, {compute:g}) returned {got!r}: the answer, {want}, lies past the depths "
+                    f"you searched. A slow batch can be any number of steps long: compute the depth from the two "
+                    f"times, or search without a fixed bound")
+    if worst == 0 and got != want:
+        raise Wrong(f"depth_needed(0, {compute:g}) returned {got!r}: with no slow batch no depth waits, and the "
+                    f"smallest depth >= 1 is 1 (depth 0 means no prefetcher at all)")
+    if got == want + 1 and got == math.ceil(worst / compute):
+        raise Wrong(f"depth_needed({worst}, {compute}) returned {got}, one too deep: the batch in the "
+                    "thread's hand counts too, so depth + 1 steps of compute are ready")
+    if got == 0 or (got is not None and got < 1):
+        raise Wrong(f"depth_needed({worst}, {compute}) returned {got}: depth 0 means no prefetcher at all; "
+                    "the answer is at least 1")
+    if got is not None and got == want - 1:
+        raise Wrong(f"depth_needed({worst}, {compute}) returned {got}, which leaves a wait of "
+                    f"{_longest(worst, compute, got):.0f} ms: round up (math.ceil), not down")
+    raise AssertionError(f"depth_needed({worst}, {compute}) returned {got}, expected {want}")
