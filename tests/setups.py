@@ -36,17 +36,9 @@ MODES = ("native", "overlap", "serial", "sharded")
 
 # Open issues this generator found (tests/test_generated_named.py has a named test for each), and the
 # runs of the budgets in tests/test_generated_setups.py that meet them, which the budgets leave out.
-UNFROZEN_NORM = ("a parameter unfrozen mid-run is left out of the grad norm sharded logs and clips by; stock counts "
-                 "its (unreduced) gradient (named: seed 1)")
-READ_AFTER_UNUSED = ("a training_step reading .grad after its backward sees this rank's own gradient, not the mean, "
-                     "when some parameter got no gradient on some rank (an MoE expert no token reached); sharded hangs "
-                     "there (named: seed 145)")
 BN_BF16_SYNC_EACH = ("sharded logs another grad norm with a bf16 submodule before BatchNorm, sync_each_batch and a "
                      "callback scaling .grad (named: seed 27)")
 OPEN: dict[tuple[int, str], str] = {
-    **{(seed, "sharded"): UNFROZEN_NORM
-       for seed in (1, 3, 15, 19, 26, 35, 74, 93, 103, 104, 109, 114, 118, 120, 129, 131)},
-    **{(seed, mode): READ_AFTER_UNUSED for seed in (51, 95, 134, 145) for mode in ("overlap", "serial", "sharded")},
     (27, "sharded"): BN_BF16_SYNC_EACH,
 }
 # What the stock Trainer itself cannot train (so there is nothing to compare with): DDP with

@@ -1,7 +1,8 @@
 """Named regressions from the generated setups (tests/setups.py): seeds that trained unlike the stock Trainer.
 
 Seeds 8, 16, 28, 81 and 86 failed under sharded on 66559ff and train like stock since 7d08de8 ("Ranks
-agree"); 1, 27 and 145 are open. Each test reruns one seed's setup under the stock Trainer and the
+agree"); 145 since its backward's end no longer waits for every parameter's gradient ([Note: a
+backward's end] in GradSync); 1 since the sharded clip counts a parameter unfrozen mid-run; 27 is open. Each test reruns one seed's setup under the stock Trainer and the
 modes it failed in, and asks
 for what tests/test_generated_setups.py asks of every setup: the same logged losses, grad norms
 and gradient reads, the same parameters on every rank, no hang. An open issue is an expected
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from setups import BN_BF16_SYNC_EACH, MODES, READ_AFTER_UNUSED, UNFROZEN_NORM, compare, draw, rerun_hint, run_setups
+from setups import BN_BF16_SYNC_EACH, MODES, compare, draw, rerun_hint, run_setups
 
 # Under `make test-slow` (about 2.5 min on 2 cores): the default run holds the same fixes through
 # tests/test_trainer_rank_asymmetric.py and the generated budget.
@@ -78,10 +79,10 @@ def test_seed_86_sharded_with_an_expert_no_rank_routed_a_token_to_trains_like_st
     _trains_like_stock(named_runs, 86, "sharded")
 
 
-@pytest.mark.xfail(strict=True, reason=UNFROZEN_NORM)
 def test_seed_1_sharded_logs_stocks_grad_norm_after_the_embeddings_are_unfrozen_mid_run(named_runs):
     # Llama, SGD, clip 1.0, embeddings frozen until step 2 (the Trainer's optimizer never steps them).
-    # Stock's grad norm from step 3 on counts their gradient: 0.522 where sharded logs 0.335.
+    # Stock's grad norm from step 3 on counts their gradient: 0.522 where sharded logged 0.335 on
+    # 192f30c; the sharded clip now counts each rank's own gradient of a parameter it holds no slice of.
     _trains_like_stock(named_runs, 1, "sharded")
 
 
@@ -94,16 +95,15 @@ def test_seed_27_sharded_with_a_bf16_layer_sync_each_batch_and_a_grad_scaling_ca
     _trains_like_stock(named_runs, 27, "sharded")
 
 
-@pytest.mark.xfail(strict=True, reason=READ_AFTER_UNUSED)
 @pytest.mark.parametrize("mode", ["overlap", "serial"])
 def test_seed_145_a_training_step_reading_grad_sees_the_mean_when_an_expert_got_no_token(named_runs, mode):
     # Top-1 MoE whose experts are modules of their own; the step reads .grad on rank 0 after
     # super().training_step(). Where an expert got no token on a rank, the read saw that rank's own
-    # gradient (norm 0.813 where stock's mean is 0.586); the final parameters match.
+    # gradient (norm 0.813 where stock's mean is 0.586); the final parameters match. Failed on 192f30c.
     _trains_like_stock(named_runs, 145, mode)
 
 
-@pytest.mark.xfail(strict=True, reason=READ_AFTER_UNUSED)
 def test_seed_145_sharded_with_an_expert_that_got_no_token_and_a_grad_reading_step_does_not_hang(named_runs):
     # The same setup under sharded: a bucket's reduction never completes (a peer never launches it).
+    # Hung on 192f30c.
     _trains_like_stock(named_runs, 145, "sharded")

@@ -5,7 +5,9 @@ with each rank's own gradient, not averaged: the replicas drift apart. `"overlap
 (GradSync hooks what was trainable at construction, as DDP's reducer), so it equals stock on every rank.
 `"sharded"` cannot: its optimizer holds slices of the parameters trainable when it was sharded, so
 the layer is not stepped, and it says so once, with what to do instead (unfreeze before train(),
-or `"overlap"`), instead of leaving the layer still in silence.
+or `"overlap"`), instead of leaving the layer still in silence. Its clip counts the layer's gradient
+as stock's does (each rank its own): step 3, the first with the layer unfrozen and the last whose
+parameters still agree with stock's, logs stock's grad norm.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def _run(rank, world_size, tmp):
         trainer.train()
         notes = list(trainer.grad_sync.notes) if not stock else []
         out[side] = dict(params=params(trainer.model), moved=not torch.equal(model.get_parameter(LAYER), start),
-                         notes=notes)
+                         notes=notes, norms=[h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h])
     return out
 
 
@@ -75,3 +77,10 @@ def test_sharded_leaves_the_unfrozen_layer_and_says_so_once_with_what_to_do(rank
         said = [n for n in out["sharded"]["notes"] if "unfrozen during train()" in n]
         assert len(said) == 1, out["sharded"]["notes"]
         assert LAYER in said[0] and "grad_sync='overlap'" in said[0] and "before train()" in said[0]
+
+
+def test_sharded_counts_the_unfrozen_layers_own_gradient_in_the_grad_norm_as_stock_does(ranks):
+    out = ranks[0]
+    # Steps 1-2: the layer frozen; step 3: unfrozen, parameters still stock's (sharded's differ after
+    # it: stock steps the layer, sharded cannot). On 192f30c step 3 logged the norm without the layer.
+    assert out["sharded"]["norms"][:3] == pytest.approx(out["stock"]["norms"][:3], rel=1e-5)

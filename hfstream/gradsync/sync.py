@@ -82,6 +82,18 @@ def release_wire_buffers(states: list[BucketState]) -> None:
             st.shard.received = None
 
 
+def _tensors(output) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output (a tensor, or tuples, lists and dicts of them: ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (tuple, list)):
+        for o in output:
+            yield from _tensors(o)
+    elif isinstance(output, dict):
+        for o in output.values():
+            yield from _tensors(o)
+
+
 def check_no_sparse_gradients(model: torch.nn.Module, hooked) -> None:
     """Refuse, before any forward, a trainable embedding that makes sparse gradients (``sparse=True``)."""
     trainable = {id(p) for _, p in hooked}
@@ -169,6 +181,7 @@ class GradSync:
         self._forward_param_sync = True
         self.follow_forwards = True
         self.after_backward = None
+        self._end_queued = False   # after_backward is queued for this backward's end
 
         self._hooked = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         check_no_sparse_gradients(model, self._hooked)
@@ -211,6 +224,7 @@ class GradSync:
                 self._handles.append(p.register_post_accumulate_grad_hook(ModelHook(functools.partial(self._on_grad_ready, i))))
             # Never traced by torch.compile: it keeps Python state a compiled graph would freeze.
             self._handles.append(model.register_forward_pre_hook(eager_hook(self._on_forward)))
+            self._handles.append(model.register_forward_hook(eager_hook(self._on_forward_output)))
             self._comm_streams.hint_nccl_priority(process_group)
 
     # -- what other modules may read -----------------------------------------------------------------
@@ -296,6 +310,7 @@ class GradSync:
             return
         self.reduction.forward_started()
         if self.require_backward_grad_sync:
+            self._end_queued = False   # a backward that raised left its queued end unrun
             self._overlap.forward_time = time.perf_counter()
             # A synchronised forward promises a synchronised backward. If this rank's backward then
             # fires no hook (no parameter used on its batch), finish() must still launch every
@@ -310,6 +325,22 @@ class GradSync:
         if self.broadcast_buffers and self._forward_param_sync:
             broadcast_from_rank0(self.model, self._buffer_group, buffers_only=True)
         self._forward_param_sync = self.require_backward_grad_sync
+
+    def _on_forward_output(self, module: torch.nn.Module, _args, output) -> None:
+        # [Note: a backward's end] ``after_backward`` runs when the backward of this forward's output
+        # ends, whether or not every parameter got a gradient in it (an MoE expert no token reached
+        # on this rank): code after the backward then reads the mean, as after DDP's backward with
+        # find_unused_parameters. The output's gradient arrives in the outermost graph task, so the
+        # callback is not run by a nested one (reentrant checkpointing) while backward goes on.
+        if not (self.after_backward is not None and module.training and torch.is_grad_enabled()
+                and self.follow_forwards and self.require_backward_grad_sync):
+            return
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(self._output_grad)
+
+    def _output_grad(self, _grad: torch.Tensor) -> None:
+        self._queue_backward_end()
 
     def _on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         with self._lock:
@@ -340,13 +371,21 @@ class GradSync:
         if not st.mark_ready(slot):
             return False
         self._unready -= 1
-        if self._unready == 0 and self.after_backward is not None and torch._C._current_graph_task_id() != -1:
-            # DDP queues its finalize_backward the same way: run by the engine once this backward
-            # (the graph task the last hook fired in) is done, before backward() returns.
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        if self._unready == 0:
+            self._queue_backward_end()
         return True
 
+    def _queue_backward_end(self) -> None:
+        """Run ``after_backward`` once this backward is over (once, however many ask)."""
+        if self._end_queued or self.after_backward is None or torch._C._current_graph_task_id() == -1:
+            return
+        # DDP queues its finalize_backward the same way: run by the engine once this backward
+        # (the graph task the hook fired in) is done, before backward() returns.
+        self._end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+
     def _backward_ended(self) -> None:
+        self._end_queued = False
         if self.after_backward is not None:
             self.after_backward()
 

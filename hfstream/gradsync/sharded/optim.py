@@ -300,7 +300,8 @@ def _plan_for(tensors, owners, n_params: int, device) -> _ClipPlan:
 
 @torch.no_grad()
 def clip_grad_norm_(tensors, owners, n_params: int, group, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None, device=None) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: bool | None = None, device=None,
+                    local=()) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over every rank's piece tensors (each element in exactly one).
 
     Args:
@@ -309,6 +310,10 @@ def clip_grad_norm_(tensors, owners, n_params: int, group, max_norm: float, norm
             order (the same on every rank) and whether the piece holds all of that parameter.
         n_params: how many parameters ``i`` ranges over (the same on every rank).
         group: the process group the slices are spread over.
+        local: parameters outside the slices whose ``.grad`` this rank counts and clips as its own
+            (unfrozen after the optimizer was sharded: DDP never reduces them either, so stock's
+            norm counts each rank's own gradient). Combined in the norm's last step: the rounding
+            can differ from stock's in the last bit.
 
     Stock takes each parameter's norm (``_foreach_norm``, in the gradient's dtype), stacks them
     grouped by dtype in the promoted dtype and takes the norm of that. A parameter whole in one
@@ -328,10 +333,17 @@ def clip_grad_norm_(tensors, owners, n_params: int, group, max_norm: float, norm
     table = torch.cat([plan.local_norms(tensors, norm_type)[None], plan.flags])
     dist.all_reduce(table, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
     total = plan.total_norm(table, norm_type)
+    own = [p for p in local if p.grad is not None]
+    if own:
+        norms = [n.to(device) for n in torch._foreach_norm([p.grad for p in own], norm_type)]
+        dtype = functools.reduce(torch.promote_types, [n.dtype for n in norms], total.dtype)
+        total = torch.linalg.vector_norm(torch.stack([total.to(dtype)] + [n.to(dtype) for n in norms]), norm_type)
     if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):   # a host read, as in stock
         raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be "
                            f"clipped. To disable this error and scale the gradients by the non-finite norm "
                            f"anyway, set error_if_nonfinite=False")
     if plan.kept:
         torch.nn.utils.clip_grads_with_norm_([tensors[k] for k in plan.kept], max_norm, total, foreach)
+    if own:
+        torch.nn.utils.clip_grads_with_norm_(own, max_norm, total.to(own[0].grad.device), foreach)
     return total

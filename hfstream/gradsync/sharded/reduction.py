@@ -311,9 +311,11 @@ class ShardedReduction(Reduction):
                 p = st.params[pc.slot]
                 tensors.append(t)
                 owners.append((self._index[id(p)], pc.param_start == 0 and pc.param_end == p.numel()))
+        # A parameter unfrozen since the optimizer was sharded: this rank's own gradient, as in stock's norm.
+        local = [p for p in self.wiring.model.parameters() if id(p) not in self._index and p.grad is not None]
         return shard_optim.clip_grad_norm_(tensors, owners, len(self.wiring.hooked), self.wiring.group, max_norm,
                                            norm_type, error_if_nonfinite, foreach,
-                                           self.states[0].plan.device if self.states else None)
+                                           self.states[0].plan.device if self.states else None, local)
 
     @torch.no_grad()
     def grad_norms(self) -> dict[str, torch.Tensor]:
