@@ -221,3 +221,39 @@ def test_a_backward_where_a_parameter_got_no_gradient_still_ends_with_the_mean(r
         assert calls == 1, f"rank {rank}: after_backward ran {calls} times inside backward()"
         for n in mean:
             torch.testing.assert_close(grads[n], mean[n], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {n}")
+
+
+def sharded_second_backward_without_an_expert(rank, world_size):
+    torch.manual_seed(0)
+    model = TwoExperts()
+    ref = TwoExperts()
+    ref.load_state_dict(model.state_dict())
+    sync = GradSync(model, bucket_mb=0.0002, mode="sharded")
+    sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+
+    def after_backward():
+        sync.finish()
+        sync.reduction.accumulate = True   # a further backward of this step adds to the slices
+
+    sync.after_backward = after_backward
+    model(_x(1, rank)).pow(2).mean().backward()                # every parameter used
+    model(_x(2, rank), use_b=False).pow(2).mean().backward()   # expert b used by no rank
+    sync.reduction.gather_gradients()
+    got = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    ref(_x(1, rank)).pow(2).mean().backward()
+    ref(_x(2, rank), use_b=False).pow(2).mean().backward()
+    mean = {}
+    for n, p in ref.named_parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        mean[n] = g / world_size
+    return got, mean
+
+
+def test_under_sharded_a_parameter_the_second_backward_left_unused_keeps_the_first_backwards_mean(run_distributed):
+    # The used flags of a further backward are OR-ed with the step's earlier ones (`_used_before`):
+    # expert b, used by the first backward only, is still stepped with that backward's mean.
+    for rank, (got, mean) in enumerate(run_distributed(sharded_second_backward_without_an_expert, 2, timeout=90)):
+        for n in mean:
+            assert got[n] is not None, f"rank {rank}: {n} lost the first backward's gradient"
+            torch.testing.assert_close(got[n], mean[n], rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {n}")
