@@ -4,7 +4,8 @@ A hook on the model's first parameter (the last gradient backward produces), reg
 GradSync's, reads how many buckets have their reduction in flight at that moment: some must,
 before backward's last hook fires. The hand-made mutant that removes the overlap (the same
 reduction with ``launch_from_hooks = False``: every bucket launched at finish()) reads 0 there
-and gives the same gradients.
+and gives the same gradients. The live runs take the mode's own setting (a mutant of the mode's
+default is caught too), and mode="serial" is held to launching nothing before finish().
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ def in_flight_at_last_hook(rank, world_size, mode, from_hooks):
     first.register_post_accumulate_grad_hook(
         lambda p: seen.append(sum(st.phase is Phase.REDUCING for st in sync.reduction.states)))
     sync = GradSync(model, mode=mode, bucket_mb=0)   # one bucket per parameter
-    sync.reduction.launch_from_hooks = from_hooks
+    if not from_hooks:   # the hand-made mutant; the live runs keep what each mode sets itself
+        sync.reduction.launch_from_hooks = False
     if mode == "sharded":
         sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
@@ -43,11 +45,12 @@ def in_flight_at_last_hook(rank, world_size, mode, from_hooks):
 
 def suite(rank, world_size):
     return {(mode, hooks): in_flight_at_last_hook(rank, world_size, mode, hooks)
-            for mode in ("overlap", "sharded") for hooks in (True, False)}
+            for mode in ("overlap", "sharded", "serial") for hooks in (True, False)}
 
 
 def test_reductions_are_in_flight_before_backwards_last_hook_and_not_when_launched_at_finish():
     for res in run_on_ranks(suite, 2, timeout=60):
+        assert res[("serial", True)]["seen"] == [0], "serial: a reduction launched during backward"
         for mode in ("overlap", "sharded"):
             live, mutant = res[(mode, True)], res[(mode, False)]
             assert live["num_buckets"] > 2 and len(live["seen"]) == 1 == len(mutant["seen"])
