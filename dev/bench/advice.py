@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from hfstream.report.table import row
+
 SETTINGS = ("prefetch_depth", "dataloader_num_workers", "grad_bucket_mb", "grad_sync", "grad_comm_dtype",
             "gradient_accumulation_steps")
 SCENARIOS = {
@@ -144,17 +146,19 @@ def _scenario(name: str, steps: int, tmp: str) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [f"{'scenario':<9}{'before':>9}  {'first advice':<30}{'predicted':>10}{'after':>9}{'error':>8}"]
+    widths = (-9, 9, 2, -30, 10, 9, 7)   # scenario, before, gap, first advice, predicted, after, error
+    lines = [row(["scenario", "before", "", "first advice", "predicted", "after", "error"], (*widths[:-1], 8))]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['scenario']:<9}skipped: {r['skipped']}")
             continue
         if not r["advice"]:
-            lines.append(f"{r['scenario']:<9}{r['before_ms']:>9.1f}  {'(none)':<30}")
+            lines.append(row([r["scenario"], f"{r['before_ms']:.1f}", "", "(none)"], widths[:4]))
             continue
         a = r["advice"][0]
-        lines.append(f"{r['scenario']:<9}{r['before_ms']:>9.1f}  {a['setting'] + '=' + str(a['value']):<30}"
-                     f"{r['predicted_ms']:>10.1f}{r['after_ms']:>9.1f}{100 * r['prediction_error']:>7.0f}%")
+        lines.append(row([r["scenario"], f"{r['before_ms']:.1f}", "", f"{a['setting']}={a['value']}",
+                          f"{r['predicted_ms']:.1f}", f"{r['after_ms']:.1f}", f"{100 * r['prediction_error']:.0f}"],
+                         widths) + "%")
     return "\n".join(lines)
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import textwrap
 from pathlib import Path
 from typing import Any
+
+from hfstream.report.table import row, wrap
 
 TAIL_LINES = 40          # lines of a failed part's output the table shows
 
@@ -17,20 +18,19 @@ def format_table(header: dict, results: list[dict], width: int = 118) -> str:
     the overall verdict, then what each failed part said."""
     keys = ("date", "device", "torch", "cuda", "transformers", "accelerate", "python", "mode", "git")
     head = "  ".join(f"{k} {header[k]}" for k in keys if header.get(k) not in (None, ""))
-    lines = textwrap.wrap(f"hfstream gpu-check  {head}", width=width, subsequent_indent="  ")
+    lines = wrap([f"hfstream gpu-check  {head}"], width)
     name_w = max([len("part")] + [len(r.get("title") or r.get("name", "?")) for r in results])
-    indent = name_w + 2 + 6 + 1 + 7 + 2
-    lines.append(f"{'part':<{name_w}}  {'status':<6} {'secs':>7}  key numbers")
+    widths = (-name_w, 2, -6, 1, 7, 2)   # part, gap, status, gap, secs, gap, then the numbers
+    indent = sum(abs(w) for w in widths)
+    lines.append(row(["part", "", "status", "", "secs", ""], widths) + "key numbers")
     lines.append("-" * min(width, max(indent + 40, 60)))
     for r in results:
         title = r.get("title") or r.get("name", "?")
         secs = r.get("seconds")
-        secs_s = f"{secs:7.1f}" if isinstance(secs, (int, float)) and not math.isnan(secs) else f"{'-':>7}"
+        secs_s = f"{secs:.1f}" if isinstance(secs, (int, float)) and not math.isnan(secs) else "-"
         texts = [str(s) for s in (r.get("summary") or [])] + [f"FAILED {f}" for f in (r.get("failed") or [])]
-        wrapped: list[str] = []
-        for text in texts or [""]:
-            wrapped += textwrap.wrap(text, width=max(width - indent, 30), subsequent_indent="  ") or [""]
-        lines.append(f"{title:<{name_w}}  {str(r.get('status', '?')):<6} {secs_s}  {wrapped[0]}")
+        wrapped = wrap(texts or [""], max(width - indent, 30))
+        lines.append(row([title, "", r.get("status", "?"), "", secs_s, ""], widths) + wrapped[0])
         lines += [" " * indent + w for w in wrapped[1:]]
     counts = {s: sum(1 for r in results if r.get("status") == s) for s in ("pass", "fail", "skip")}
     total = header.get("seconds")

@@ -12,6 +12,7 @@ import math
 
 from hfstream.gradsync import DDP_BUCKET_MB
 from hfstream.gradsync.buckets import MiB
+from hfstream.report.table import row
 
 from .predict import (DDP_FIRST_BUCKET_MB, PlanConfig, calibrated_mem_bandwidth_gbs, calibrated_tflops,
                       predict_buckets, predict_row)
@@ -159,18 +160,19 @@ def format_comparison(comp: dict, calibration: dict | None = None) -> str:
                      f"\n  {calibration.get('comm_host_ms_per_mib', 0.0):.2g} ms of backward per MiB sent; link "
                      f"{calibration['link_gbs'] * 8000:g} Mbit/s, {calibration['world_size']} ranks, "
                      f"{_count_str(calibration['params'])} params, {calibration['tokens_per_device']} tokens/rank")
-    lines.append(f"{'mode':<13}{'':>3}{'fwd':>7}{'bwd':>7}{'comm busy':>10}{'exposed':>9}{'step':>7}")
+    keys = ("forward_ms", "backward_ms", "comm_busy_ms", "exposed_comm_ms", "step_ms")
+    widths = (-13, 4, 7, 7, 10, 9, 7)
+    lines.append(row(["mode", "", "fwd", "bwd", "comm busy", "exposed", "step"], (-13, 3, *widths[2:])))
 
-    def cell(v, w, pct=False):
+    def cell(v, pct=False):
         if v is None:
-            return f"{'-':>{w}}"
-        return f"{100 * v:>+{w - 1}.0f}%" if pct else f"{v:>{w}.0f}"
+            return "-"
+        return f"{100 * v:+.0f}%" if pct else f"{v:.0f}"
 
-    keys = (("forward_ms", 7), ("backward_ms", 7), ("comm_busy_ms", 10), ("exposed_comm_ms", 9), ("step_ms", 7))
     for name, v in comp["modes"].items():
         for i, (label, src, pct) in enumerate((("pred", "predicted", False), ("meas", "measured", False),
                                                ("err", "rel_error", True))):
-            lines.append(f"{name if i == 0 else '':<13}{label:>4}" + "".join(cell(v[src][k], w, pct) for k, w in keys))
+            lines.append(row([name if i == 0 else "", label, *(cell(v[src][k], pct) for k in keys)], widths))
     mx = comp["max_abs_rel_error"]
     fmt = lambda x: "-" if x is None else f"{100 * x:.0f}%"  # noqa: E731
     lines.append(f"largest |error|: comm busy {fmt(mx['comm_busy_ms'])}, backward {fmt(mx['backward_ms'])}, "

@@ -28,9 +28,9 @@ temporaries take the rest (an assumption; ``torch.cuda.max_memory_reserved`` say
 from __future__ import annotations
 
 import re
-import textwrap
 from dataclasses import dataclass
 
+from ..report.table import row, wrap
 from .shapes import LayerDims, ModelShape
 from .tables import WIDTH
 
@@ -287,14 +287,15 @@ def format_memory(doc: dict, device: str) -> list[str]:
                 f"({doc['usable_fraction']:.0%}: the CUDA context and the allocator take the rest)"
                 if doc["device_bytes"] else "")]
     tail = []
-    lines = [f"{'mode':<17}{'params':>8}{'grads':>8}{'optim':>8}{'buffers':>9}{'activ':>8}{'total':>8}"
+    widths = (-17, 8, 8, 8, 9, 8, 8)
+    lines = [row(["mode", "params", "grads", "optim", "buffers", "activ", "total"], widths)
              + ("  fits" if doc["device_bytes"] else "")]
     rows = [(name, m) for name, m in doc["modes"].items()]
     rows += [(name + " +ckpt", m) for name, m in doc.get("modes_checkpointed", {}).items()]
     for name, m in rows:
         verdict = "" if "fits" not in m else ("  yes" if m["fits"] else "  NO")
-        lines.append(f"{name:<17}{_gb(m['params']):>8}{_gb(m['grads']):>8}{_gb(m['optimizer']):>8}"
-                     f"{_gb(m['buffers']):>9}{_gb(m['activations']):>8}{_gb(m['total']):>8}{verdict}")
+        lines.append(row([name, *(_gb(m[k]) for k in ("params", "grads", "optimizer", "buffers", "activations", "total"))],
+                         widths) + verdict)
     if doc["device_bytes"]:
         if doc["fits"]:
             tail.append(f"replicated (overlap) fits {device} as asked")
@@ -305,7 +306,4 @@ def format_memory(doc: dict, device: str) -> list[str]:
             fix = doc["smallest_change"]
             tail.append(f"replicated {doc['optimizer']} does not fit {device}; smallest change that fits: {fix['change']} "
                          f"({_gb(fix['total'])} GiB per device)")
-    def wrap(block: list[str]) -> list[str]:
-        return [w for line in block for w in textwrap.wrap(line, WIDTH, subsequent_indent="  ")]
-
-    return wrap(head) + lines + wrap(tail)
+    return wrap(head, WIDTH) + lines + wrap(tail, WIDTH)

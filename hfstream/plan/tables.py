@@ -5,8 +5,7 @@ What ``hfstream plan`` prints; the figure of the same document is `hfstream.cli.
 
 from __future__ import annotations
 
-import textwrap
-
+from ..report.table import row, wrap
 from .shapes import _count_str
 
 WIDTH = 100   # the default table and its notes fit a terminal this wide (--wide: every column)
@@ -48,35 +47,38 @@ def _fastest(row: dict) -> str:
     return best if min(others) > 1.005 * steps[best] else "equal"
 
 
+WIDE_COLUMNS = (("N", 5), ("2(N-1)/N", 9), ("fwd", 8), ("bwd", 8), ("opt", 7), ("comm busy", 10), ("last bkt", 9),
+                ("exp serial", 11), ("exp overlap", 12), ("step serial", 12), ("step overlap", 13), ("ceiling", 9),
+                ("eff ser", 8), ("eff ovl", 8), ("exp RS+AG", 10), ("step shard", 11), ("limit", 8))
+COLUMNS = (("N", 6), ("forward", 9), ("backward", 9), ("optimizer", 10), ("comm busy", 10), ("exposed", 9),
+           ("serial", 9), ("overlap", 9), ("sharded", 9), ("ceiling", 9), ("fastest", 9))
+
+
 def _wide_rows(doc: dict) -> list[str]:
     """Every column: ring factor, last bucket, both exposures, both efficiencies, the sharded parts."""
-    lines = [
-        f"{'N':>5}{'2(N-1)/N':>9}{'fwd':>8}{'bwd':>8}{'opt':>7}{'comm busy':>10}{'last bkt':>9}"
-        f"{'exp serial':>11}{'exp overlap':>12}{'step serial':>12}{'step overlap':>13}{'ceiling':>9}"
-        f"{'eff ser':>8}{'eff ovl':>8}{'exp RS+AG':>10}{'step shard':>11}{'limit':>8}",
-    ]
+    widths = [w for _, w in WIDE_COLUMNS]
+    lines = [row([name for name, _ in WIDE_COLUMNS], widths)]
     for r in doc["rows"]:
         lines.append(
-            f"{r['world_size']:>5}{r['ring_factor']:>9.3f}{_ms(r['forward_ms']):>8}{_ms(r['backward_ms']):>8}"
-            f"{_ms(r['optimizer_ms']):>7}{_ms(r['comm_busy_ms']):>10}{_ms(r['last_bucket_ms']):>9}"
-            f"{_ms(r['exposed_serial_ms']):>11}{_ms(r['exposed_overlap_ms']):>12}{_ms(r['step_serial_ms']):>12}"
-            f"{_ms(r['step_overlap_ms']):>13}{_ms(r['ideal_ms']):>9}{r['efficiency_serial']:>8.2f}"
-            f"{r['efficiency_overlap']:>8.2f}"
-            f"{_ms(r['reduce_scatter_exposed_ms'] + r['all_gather_exposed_ms']):>10}{_ms(r['step_sharded_ms']):>11}"
-            f"{_ms(r['cross_step_limit_ms']):>8}"
+            row([r["world_size"], f"{r['ring_factor']:.3f}", _ms(r["forward_ms"]), _ms(r["backward_ms"]),
+                 _ms(r["optimizer_ms"]), _ms(r["comm_busy_ms"]), _ms(r["last_bucket_ms"]), _ms(r["exposed_serial_ms"]),
+                 _ms(r["exposed_overlap_ms"]), _ms(r["step_serial_ms"]), _ms(r["step_overlap_ms"]), _ms(r["ideal_ms"]),
+                 f"{r['efficiency_serial']:.2f}", f"{r['efficiency_overlap']:.2f}",
+                 _ms(r["reduce_scatter_exposed_ms"] + r["all_gather_exposed_ms"]), _ms(r["step_sharded_ms"]),
+                 _ms(r["cross_step_limit_ms"])], widths)
             + ("" if r["overlap_complete"] else "  comm > bwd") + ("  sharded wins" if r["sharded_beats_overlap"] else ""))
     return lines
 
 
 def _rows(doc: dict) -> list[str]:
     """The columns a reader needs, under plain headers, in `WIDTH` columns."""
-    lines = [f"{'N':>6}{'forward':>9}{'backward':>9}{'optimizer':>10}{'comm busy':>10}{'exposed':>9}"
-             f"{'serial':>9}{'overlap':>9}{'sharded':>9}{'ceiling':>9}{'fastest':>9}"]
+    widths = [w for _, w in COLUMNS]
+    lines = [row([name for name, _ in COLUMNS], widths)]
     for r in doc["rows"]:
-        lines.append(f"{r['world_size']:>6,}{_ms(r['forward_ms']):>9}{_ms(r['backward_ms']):>9}"
-                     f"{_ms(r['optimizer_ms']):>10}{_ms(r['comm_busy_ms']):>10}{_ms(r['exposed_overlap_ms']):>9}"
-                     f"{_ms(r['step_serial_ms']):>9}{_ms(r['step_overlap_ms']):>9}{_ms(r['step_sharded_ms']):>9}"
-                     f"{_ms(r['ideal_ms']):>9}{_fastest(r):>9}")
+        lines.append(row([f"{r['world_size']:,}", _ms(r["forward_ms"]), _ms(r["backward_ms"]), _ms(r["optimizer_ms"]),
+                          _ms(r["comm_busy_ms"]), _ms(r["exposed_overlap_ms"]), _ms(r["step_serial_ms"]),
+                          _ms(r["step_overlap_ms"]), _ms(r["step_sharded_ms"]), _ms(r["ideal_ms"]), _fastest(r)],
+                         widths))
     return lines
 
 
@@ -118,7 +120,4 @@ def format_plan_table(doc: dict, wide: bool = False) -> str:
     else:
         tail.append("grad_sync='sharded' beats overlap at none of these world sizes")
 
-    def wrap(lines: list[str]) -> list[str]:
-        return [w for line in lines for w in (textwrap.wrap(line, WIDTH, subsequent_indent="  ") or [""])]
-
-    return "\n".join(wrap(head) + [""] + (_wide_rows(doc) if wide else _rows(doc)) + wrap(tail))
+    return "\n".join(wrap(head, WIDTH) + [""] + (_wide_rows(doc) if wide else _rows(doc)) + wrap(tail, WIDTH))

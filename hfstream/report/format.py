@@ -12,6 +12,7 @@ import textwrap
 from typing import Any
 
 from .fields import FIELDS, SHARDED_ONLY
+from .table import row
 
 LABEL_WIDTH = max(len(f.label) for f in FIELDS) + 2
 CELL_WIDTH = 12
@@ -77,16 +78,15 @@ def format_report(report: dict[str, Any], title: str = "hfstream step report") -
     mean = report.get("mean", report)
     lines = [f"{title} (mean of {int(mean.get('steps', 0))} steps after warm-up"
              + (f", {len(per_rank)} rank{'s' if len(per_rank) != 1 else ''})" if per_rank else ")")]
-    if per_rank:
-        lines.append(f"  {'':<{LABEL_WIDTH}}{'mean':>{CELL_WIDTH}}"
-                     + "".join(f"{'rank ' + str(i):>{CELL_WIDTH}}" for i in range(len(per_rank))))
     rows = [mean, *(per_rank or ())]
+    widths = [-LABEL_WIDTH] + [CELL_WIDTH] * len(rows)
+    if per_rank:
+        lines.append("  " + row(["", "mean", *(f"rank {i}" for i in range(len(per_rank)))], widths))
     sharded = any(key in r and not math.isnan(r[key]) for r in rows for key in SHARDED_ONLY)
     for f in FIELDS:
         if f.key in SHARDED_ONLY and not sharded:
             continue   # other modes have no all-gather: the rows are not shown
-        cells = [_cell(r.get(f.key, math.nan), f.unit) for r in rows]
-        lines.append(f"  {f.label:<{LABEL_WIDTH}}" + "".join(f"{c:>{CELL_WIDTH}}" for c in cells))
+        lines.append("  " + row([f.label, *(_cell(r.get(f.key, math.nan), f.unit) for r in rows)], widths))
     if sharded:
         lines += ["  ideal = forward + max(backward, comm busy) + optimizer (DDP's ceiling)",
                   "  cross-step limit = max(forward + backward + optimizer, comm busy) (the ceiling here)",

@@ -22,6 +22,7 @@ from typing import Sequence
 
 from hfstream.report.advice import LOADED_PER_CORE   # above it per core the ranks did not get a core each
 from hfstream.gradsync import DDP_BUCKET_MB
+from hfstream.report.table import row, wrap
 from hfstream.report.timeline import cross_step_limit
 
 from .config import MEMORY_TARGET, MODES, SHARDED_MODES, TARGETS, BenchConfig
@@ -173,15 +174,17 @@ def _bucket_cell(v: dict) -> str:
 
 
 WIDTH = 100   # the table and its notes fit a terminal this wide (--wide: every column)
+COLUMNS = (("mode", -13), ("bucket MiB", 11), ("step", 7), ("forward", 8), ("backward", 9), ("comm busy", 10),
+           ("exposed", 8), ("optimizer", 10), ("vs DDP", 7), ("vs ceiling", 11))
+WIDE_COLUMNS = (("mode", -13), ("bucket MiB", 11), ("step", 7), ("fwd", 6), ("bwd", 6), ("comm busy", 10),
+                ("exposed", 8), ("opt", 5), ("cpu fwd/bwd", 12), ("gloo cpu", 9), ("x ddp-default", 14),
+                ("x ddp-best", 11), ("x ceiling", 10), ("x cross", 8), ("opt MiB", 8))
 
 
 def _wrap(line: str) -> list[str]:
     """A note line cut to `WIDTH`, continuation lines indented under it."""
-    import textwrap
-
     indent = " " * (len(line) - len(line.lstrip()))
-    return textwrap.wrap(line, WIDTH, initial_indent="", subsequent_indent=indent + "  ",
-                         break_on_hyphens=False) or [""]
+    return wrap([line], WIDTH, indent=indent + "  ", break_on_hyphens=False)
 
 
 def format_bench_table(result: dict, wide: bool = False) -> str:
@@ -203,43 +206,36 @@ def format_bench_table(result: dict, wide: bool = False) -> str:
     ]
     lines = [w for line in notes for w in _wrap(line)] + [""]
 
-    def num(v, w, d=0):
-        return f"{'-':>{w}}" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:>{w}.{d}f}"
+    def num(v, d=0):
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{d}f}"
 
     c, x = result["ceiling"], result.get("cross_step")
     base = result["modes"].get("ddp-default", {}).get("step_ms")
     best = result["modes"].get("ddp-best", {}).get("step_ms")
-    if wide:
-        lines.append(f"{'mode':<13}{'bucket MiB':>11}{'step':>7}{'fwd':>6}{'bwd':>6}{'comm busy':>10}{'exposed':>8}"
-                     f"{'opt':>5}{'cpu fwd/bwd':>12}{'gloo cpu':>9}{'x ddp-default':>14}{'x ddp-best':>11}"
-                     f"{'x ceiling':>10}{'x cross':>8}{'opt MiB':>8}")
-    else:
-        lines.append(f"{'mode':<13}{'bucket MiB':>11}{'step':>7}{'forward':>8}{'backward':>9}{'comm busy':>10}"
-                     f"{'exposed':>8}{'optimizer':>10}{'vs DDP':>7}{'vs ceiling':>11}")
+    columns = WIDE_COLUMNS if wide else COLUMNS
+    widths = [w for _, w in columns]
+    lines.append(row([name for name, _ in columns], widths))
 
     for m, v in result["modes"].items():
         r = result["ratios"][m]
+        cells = [m, _bucket_cell(v), num(v["step_ms"]), num(v["forward_ms"]), num(v["backward_ms"]),
+                 num(v["comm_busy_ms"]), num(v["exposed_comm_ms"]), num(v["optimizer_ms"])]
         if wide:
             cpu = f"{100 * v['forward_cpu_share']:.0f}/{100 * v['backward_cpu_share']:.0f}%"
-            lines.append(f"{m:<13}{_bucket_cell(v):>11}{num(v['step_ms'], 7)}{num(v['forward_ms'], 6)}"
-                         f"{num(v['backward_ms'], 6)}{num(v['comm_busy_ms'], 10)}{num(v['exposed_comm_ms'], 8)}"
-                         f"{num(v['optimizer_ms'], 5)}{cpu:>12}{num(v['comm_threads_cpu_ms'], 9)}"
-                         f"{num(r['to_ddp_default'], 14, 2)}{num(r.get('to_ddp_best'), 11, 2)}"
-                         f"{num(r['to_ceiling'], 10, 2)}{num(r.get('to_cross_step'), 8, 2)}"
-                         f"{num(v.get('optimizer_state_bytes', 0) / 2**20, 8, 1)}")
+            cells += [cpu, num(v["comm_threads_cpu_ms"]), num(r["to_ddp_default"], 2), num(r.get("to_ddp_best"), 2),
+                      num(r["to_ceiling"], 2), num(r.get("to_cross_step"), 2),
+                      num(v.get("optimizer_state_bytes", 0) / 2**20, 1)]
         else:
-            lines.append(f"{m:<13}{_bucket_cell(v):>11}{num(v['step_ms'], 7)}{num(v['forward_ms'], 8)}"
-                         f"{num(v['backward_ms'], 9)}{num(v['comm_busy_ms'], 10)}{num(v['exposed_comm_ms'], 8)}"
-                         f"{num(v['optimizer_ms'], 10)}{num(r['to_ddp_default'], 7, 2)}{num(r['to_ceiling'], 11, 2)}")
+            cells += [num(r["to_ddp_default"], 2), num(r["to_ceiling"], 2)]
+        lines.append(row(cells, widths))
 
     def limit_row(label, step, fwd, bwd, comm, opt):
         vs_ddp = step / base if base else None
+        cells = [label, "", num(step), num(fwd), num(bwd), num(comm), "", num(opt)]
         if not wide:
-            return (f"{label:<13}{'':>11}{num(step, 7)}{num(fwd, 8)}{num(bwd, 9)}{num(comm, 10)}{'':>8}"
-                    f"{num(opt, 10)}{num(vs_ddp, 7, 2)}{num(step / c['step_ms'], 11, 2)}")
-        return (f"{label:<13}{'':>11}{num(step, 7)}{num(fwd, 6)}{num(bwd, 6)}{num(comm, 10)}{'':>8}{num(opt, 5)}"
-                f"{'':>21}{num(vs_ddp, 14, 2)}{num(step / best if best else None, 11, 2)}"
-                f"{num(step / c['step_ms'], 10, 2)}{num(step / x['step_ms'] if x else None, 8, 2)}")
+            return row(cells + [num(vs_ddp, 2), num(step / c["step_ms"], 2)], widths)
+        return row(cells + ["", "", num(vs_ddp, 2), num(step / best if best else None, 2), num(step / c["step_ms"], 2),
+                            num(step / x["step_ms"] if x else None, 2)], widths[:-1])
 
     lines.append(limit_row("ceiling", c["step_ms"], c.get("forward_ms"), c.get("backward_ms"), c.get("comm_busy_ms"),
                            c.get("optimizer_ms")))
@@ -255,10 +251,10 @@ def format_bench_table(result: dict, wide: bool = False) -> str:
     sharded = [m for m in result["modes"] if result["modes"][m]["kind"] == "sharded"]
     for m in sharded:
         v = result["modes"][m]
-        notes.append(f"  {m}: " + ("" if wide else f"vs cross-step {num(result['ratios'][m].get('to_cross_step'), 0, 2)}; ")
-                     + f"reduce-scatter busy {num(v.get('reduce_scatter_busy_ms'), 0)} exposed "
-                     f"{num(v.get('reduce_scatter_exposed_ms'), 0)} | all-gather busy {num(v.get('all_gather_busy_ms'), 0)} "
-                     f"exposed {num(v.get('all_gather_exposed_ms'), 0)} ms")
+        notes.append(f"  {m}: " + ("" if wide else f"vs cross-step {num(result['ratios'][m].get('to_cross_step'), 2)}; ")
+                     + f"reduce-scatter busy {num(v.get('reduce_scatter_busy_ms'))} exposed "
+                     f"{num(v.get('reduce_scatter_exposed_ms'))} | all-gather busy {num(v.get('all_gather_busy_ms'))} "
+                     f"exposed {num(v.get('all_gather_exposed_ms'))} ms")
         if x and "serial" in result["modes"]:
             notes.append(format_over_limit(m, over_limit(v, result["modes"]["serial"], result["config"]["world_size"],
                                                          x["step_ms"])))
