@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hfstream import StreamPrefetcher
-from hfstream.report.advice import (CALIBRATION, CONTENTION_LOSS, EXPECTED_ERROR, MIN_SAVING, DataSide, RunFacts, advise,
-                             advise_report, comm_slowdown, measure_data_side, measured_ready)
+from hfstream.report.advice import (CALIBRATION, CONTENTION_LOSS, EXPECTED_ERROR, MIN_SAVING, DataSide, RunFacts,
+                                    advise, advise_report, comm_slowdown, measure_data_side, measured_ready)
 from hfstream.cli.doctor import doctor
 from hfstream.report.format import format_report
 from hfstream.report.timeline import StepTimeline

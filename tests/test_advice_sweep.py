@@ -12,7 +12,7 @@ import math
 import pytest
 
 from dev.bench.sweep import (CAPS_MB, COLLATES, LAYERS, MODES, RATES_MBIT, run_one, sample_runs,
-                                        summarize, sweep_runs, table)
+                             summarize, sweep_runs, table)
 
 
 def test_the_generated_sweep_has_twenty_runs_over_every_dimension():

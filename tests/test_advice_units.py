@@ -16,8 +16,8 @@ import types
 import pytest
 import torch
 
-from hfstream.report.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _overlap_schedule, _Parts,
-                             _ready, advise, facts_from_trainer)
+from hfstream.report.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _overlap_schedule,
+                                    _Parts, _ready, advise, facts_from_trainer)
 
 
 def test_readiness_is_interpolated_between_the_measured_points():

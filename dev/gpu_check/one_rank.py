@@ -289,7 +289,7 @@ def _overlap(size, dev, group, checks: Checks, numbers: dict, cuda: bool) -> Non
 
     from hfstream import streams
     from dev.gpu_check.device_order import (check_finish_orders, check_pack_streams, finish_orders,
-                                                       pack_streams, stream_key)
+                                            pack_streams, stream_key)
 
     model, ref = _model(size, dev), _model(size, dev)
     sync = one_rank_grad_sync()(model, bucket_mb=size["bucket_mb"], mode="overlap", process_group=group, timeout=60,

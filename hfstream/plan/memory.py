@@ -294,8 +294,8 @@ def format_memory(doc: dict, device: str) -> list[str]:
     rows += [(name + " +ckpt", m) for name, m in doc.get("modes_checkpointed", {}).items()]
     for name, m in rows:
         verdict = "" if "fits" not in m else ("  yes" if m["fits"] else "  NO")
-        lines.append(row([name, *(_gb(m[k]) for k in ("params", "grads", "optimizer", "buffers", "activations", "total"))],
-                         widths) + verdict)
+        parts = ("params", "grads", "optimizer", "buffers", "activations", "total")
+        lines.append(row([name, *(_gb(m[k]) for k in parts)], widths) + verdict)
     if doc["device_bytes"]:
         if doc["fits"]:
             tail.append(f"replicated (overlap) fits {device} as asked")

@@ -1,1 +1,1 @@
-"""What ``hfstream demo`` trains: `train_clm.py` and its accelerate configs (``accelerate/``), shipped as package data."""
+"""What ``hfstream demo`` trains: `train_clm.py` and its accelerate configs (``accelerate/``), as package data."""

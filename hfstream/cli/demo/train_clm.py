@@ -157,7 +157,8 @@ def leave() -> None:
     After a successful run only: wait for every rank (a rank that leaves while a peer is still in
     the last collective fails it: "Connection closed by peer"), stop gloo's threads
     (destroy_process_group), then leave without the interpreter's teardown. A process that
-    reaches teardown with gloo threads still alive can abort there ("terminate called without an active exception", pytorch/pytorch#190489):
+    reaches teardown with gloo threads still alive can abort there ("terminate called without an
+    active exception", pytorch/pytorch#190489):
     measured on this project's CPU machine, 10 of 15 bare all-reduce scripts without the
     destroy, and about 1 Trainer run in 10 even with it. An abort after a finished run makes
     the launcher report a failure. After an error the exception propagates as usual.
