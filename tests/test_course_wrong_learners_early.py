@@ -533,6 +533,76 @@ wrong("03.depth", "search_from_depth_zero", _changed(DEPTH, "    return max(1, m
     return depth"""), ["smallest depth >= 1 is 1"])
 
 
+# =============================================================================================== 04 (thread ranks)
+AVERAGE = """
+def broadcast_parameters(model):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+
+
+def average_gradients(model):
+    world_size = dist.get_world_size()
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+        p.grad /= world_size
+"""
+DRAWN = ["drawn worlds"]           # the thread-rank cases; the gloo ones run in test_course_lesson04.py
+RIGHT["04.average_gradients"] = (AVERAGE, DRAWN)
+# The world size written as 2: right on the old check's 2 gloo processes.
+wrong("04.average_gradients", "divided_by_two", _changed(AVERAGE, "        p.grad /= world_size", "        p.grad /= 2"),
+      ["divided by 2", "dist.get_world_size()"], titles=DRAWN)
+# requires_grad asked instead of the gradient: a parameter no forward used has requires_grad=True and .grad None.
+# The old check's only gradient-less parameter was frozen.
+wrong("04.average_gradients", "requires_grad_for_a_gradient", _changed(
+    AVERAGE, "        if p.grad is None:\n            continue", "        if not p.requires_grad:\n            continue"),
+    ["no gradient", "test the gradient, not requires_grad"], titles=DRAWN)
+# The division dedented out of the loop: only the last parameter is averaged. The old check said "rank 0's
+# gradients differ from the mean over ranks by 0.7".
+wrong("04.average_gradients", "division_after_the_loop", _changed(
+    AVERAGE, "        p.grad /= world_size", "    p.grad /= world_size"), ["after the loop", "last parameter"],
+    titles=DRAWN)
+
+TRAIN = AVERAGE + """
+
+def sgd_step(model, lr):
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+
+
+def train_data_parallel(model, x, y, steps, lr):
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x_shard, y_shard = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
+    broadcast_parameters(model)
+    losses = []
+    for _ in range(steps):
+        model.zero_grad()
+        loss = F.mse_loss(model(x_shard), y_shard)
+        loss.backward()
+        average_gradients(model)
+        sgd_step(model, lr)
+        losses.append(loss.item())
+    return losses
+"""
+RIGHT["04.train_parity"] = (TRAIN, DRAWN)
+# Two shards, whatever the world size: right on 2 gloo processes; rank 2 of 3 has none.
+wrong("04.train_parity", "two_shards", _changed(
+    TRAIN, "x.chunk(world_size)[rank], y.chunk(world_size)[rank]", "x.chunk(2)[rank], y.chunk(2)[rank]"),
+    ["no shard for rank 2", "world_size pieces"], titles=DRAWN)
+# The learning rate scaled by the world size ("linear scaling"): the old check said "the gradients were summed
+# over the ranks", which this learner's average_gradients did not do.
+wrong("04.train_parity", "learning_rate_times_world", _changed(TRAIN, "        sgd_step(model, lr)",
+                                                               "        sgd_step(model, lr * world_size)"),
+      ["learning rate", "do not scale"], ["summed"], titles=DRAWN)
+# The loss divided by the world size before backward, and the average on top: steps N times too small. The old
+# check gave the bare distance to the reference.
+wrong("04.train_parity", "divided_twice", _changed(TRAIN, "        loss.backward()", "        (loss / world_size).backward()"),
+      ["divided by the world size twice"], titles=DRAWN)
+
+
 @pytest.fixture
 def quiet_machine(monkeypatch):
     """00.predict's measured cases on a canned measurement: every step exactly as the schedules say."""

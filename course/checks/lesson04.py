@@ -10,12 +10,15 @@ results are compared in this process with a single-process reference trained on 
 
 from __future__ import annotations
 
+import random
 import traceback
 import types
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+from course.checks.drawn import after_colon, falsify, root_error, run_thread_ranks
 from course.grading import Exercise, Learner, Wrong, load_module
 from course.lib import TinyMLP, random_regression
 
@@ -182,6 +185,210 @@ average_ex = Exercise("04.average_gradients", uses=["broadcast_parameters", "ave
                       title="broadcast the start, average the gradients")
 
 
+# --------------------------------------------------------------------------- drawn worlds on thread ranks
+class _Net(nn.Module):
+    """A drawn model: a few linear layers, maybe one frozen (requires_grad=False), maybe a `spare` layer the
+    forward never uses (requires_grad=True, yet its .grad stays None), in float32 or float64."""
+
+    def __init__(self, case, seed: int):
+        super().__init__()
+        world, sizes, frozen, spare, dtype = case
+        g = torch.Generator().manual_seed(seed)
+        self.layers = nn.ModuleList(nn.Linear(a, b, dtype=dtype) for a, b in zip(sizes[:-1], sizes[1:]))
+        if spare:
+            self.spare = nn.Linear(2, 2, dtype=dtype)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=dtype) * 0.3)
+        if frozen is not None:
+            self.layers[frozen].weight.requires_grad_(False)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.tanh(x)
+        return x
+
+
+def _draw_worlds(seed: int = 41, count: int = 6) -> list[tuple]:
+    """``(world_size, layer sizes, frozen layer or None, spare layer?, dtype)``: 2, 3 and 4 ranks in turn."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        sizes = [rng.randint(2, 6) for _ in range(rng.randint(2, 4))]
+        out.append(((3, 4, 2)[k % 3], tuple(sizes), rng.choice([None, 0]) if k % 2 else 0, k % 2 == 1,
+                    (torch.float32, torch.float64)[k // 3 % 2]))
+    return out
+
+
+def _describe_world(case) -> str:
+    world, sizes, frozen, spare, dtype = case
+    bits = [f"{world} ranks", f"Linear layers {' -> '.join(map(str, sizes))}", str(dtype).replace("torch.", "")]
+    if frozen is not None:
+        bits.append(f"layers.{frozen}.weight frozen")
+    if spare:
+        bits.append("a layer `spare` no forward uses")
+    return ", ".join(bits)
+
+
+def _seeded_grads_drawn(rank: int, model: nn.Module) -> dict:
+    g = torch.Generator().manual_seed(1000 + rank)
+    for name, p in model.named_parameters():
+        if p.requires_grad and not name.startswith("spare"):
+            p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def _rank_error(errors, case) -> str | None:
+    found = root_error(errors)
+    if found is None:
+        return None
+    rank, exc = found
+    text = str(exc).strip().splitlines()
+    line = f"rank {rank} raised {type(exc).__name__}: {text[-1] if text else ''}"
+    if "NoneType" in line or "'NoneType'" in line:
+        return (f"{line}. A parameter that requires grad can still have no gradient: `spare` took no part in this "
+                f"forward, so its .grad is None on every rank. Skip parameters whose .grad is None (test the "
+                f"gradient, not requires_grad)")
+    return line
+
+
+def _average_mistake(learner, case) -> str | None:
+    world = case[0]
+    locals_ = [_seeded_grads_drawn(r, _Net(case, 20 + r)) for r in range(world)]
+
+    def fn(rank):
+        model = _Net(case, 20 + rank)
+        _seeded_grads_drawn(rank, model)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        learner.average_gradients(model)
+        moved = max(float((p.detach() - before[n]).abs().max()) for n, p in model.named_parameters())
+        return {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in model.named_parameters()}, moved
+
+    results, errors = run_thread_ranks(world, fn)
+    why = _rank_error(errors, case)
+    if why:
+        return why
+    for rank, (grads, moved) in enumerate(results):
+        own = all((g is None) == (locals_[rank][n] is None) and (g is None or torch.equal(g, locals_[rank][n]))
+                  for n, g in grads.items())
+        if moved > 0 and own:
+            return (f"rank {rank}: the gradients are unchanged but the parameters moved: you reduced the parameters, "
+                    f"not their gradients (each rank keeps its own gradient, so the ranks drift apart)")
+        if moved > 0:
+            return (f"rank {rank}: average_gradients changed the parameters themselves (by {moved:.3g}): it must only "
+                    f"average .grad; the optimizer moves the parameters")
+        summed, meaned, other = [], [], []
+        for name, got in grads.items():
+            local = [loc[name] for loc in locals_]
+            if local[0] is None:
+                if got is not None:
+                    return f"rank {rank}: {name} had no gradient and got one: leave a parameter without a .grad alone"
+                continue
+            total = sum(local)
+            if got is None:
+                return f"rank {rank}: {name}.grad is None after average_gradients: reduce each gradient in place"
+            if got.dtype != total.dtype:
+                return (f"rank {rank}: {name}.grad came back as {got.dtype}, the gradient was {total.dtype}: reduce "
+                        f"the gradient itself, in place")
+            if torch.allclose(got, total / world, rtol=1e-5, atol=1e-7):
+                meaned.append(name)
+            elif torch.allclose(got, total, rtol=1e-5, atol=1e-7):
+                summed.append(name)
+            elif world != 2 and torch.allclose(got, total / 2, rtol=1e-5, atol=1e-7):
+                return (f"rank {rank}: {name}.grad is the sum over the ranks divided by 2, with {world} ranks: the "
+                        f"mean divides by the world size, dist.get_world_size(), whatever it is")
+            elif torch.allclose(got, local[rank], rtol=1e-5, atol=1e-7):
+                return (f"rank {rank}: {name}.grad came back unchanged, its own gradient: all_reduce works in place "
+                        f"on the tensor you pass it, so a copy would be reduced and then thrown away")
+            else:
+                other.append(name)
+        if summed and meaned:
+            return (f"rank {rank}: {', '.join(summed)} hold{'s' if len(summed) == 1 else ''} the SUM over the ranks "
+                    f"while {meaned[-1]} holds the mean: the division ran once, after the loop, for the last "
+                    f"parameter only. Divide every gradient, inside the loop")
+        if summed:
+            return (f"rank {rank}: the gradients are the SUM over ranks, not the mean: all_reduce sums by default "
+                    f"(without the mean every step is world_size times too large)")
+        if other:
+            return f"rank {rank}: {other[0]}.grad is not the mean over the {world} ranks"
+    return None
+
+
+DRAWN_BROADCAST = "drawn worlds: on 2, 3 and 4 ranks every rank starts from rank 0's weights"
+DRAWN_AVERAGE = "drawn worlds: on 2, 3 and 4 ranks every rank holds the mean gradient"
+
+
+def _broadcast_mistake(learner, case) -> str | None:
+    world = case[0]
+
+    def fn(rank):
+        model = _Net(case, 10 + rank)
+        learner.broadcast_parameters(model)
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    results, errors = run_thread_ranks(world, fn)
+    why = _rank_error(errors, case)
+    if why:
+        return why
+    want = dict(_Net(case, 10).named_parameters())
+    for rank, got in enumerate(results):
+        for name, value in got.items():
+            if torch.equal(value, want[name].detach()):
+                continue
+            own = dict(_Net(case, 10 + rank).named_parameters())[name].detach()
+            if torch.equal(value, own):
+                return (f"rank {rank} kept its own initial weights ({name}): the broadcast wrote somewhere else (into "
+                        f"a copy, such as p.detach().clone(), that is then thrown away), or each rank named itself as "
+                        f"the source. A collective writes in place into the tensor you pass it: pass the parameter's "
+                        f"own storage, with rank 0 as the source on every rank")
+            last = dict(_Net(case, 10 + world - 1).named_parameters())[name].detach()
+            if torch.equal(value, last):
+                return (f"rank {rank}'s {name} holds rank {world - 1}'s weights: the source of the broadcast is rank 0 "
+                        f"on every rank, whatever the world size")
+            return f"rank {rank}'s {name} holds neither its own weights nor rank 0's"
+    return None
+
+
+def _smaller_world(case):
+    world, sizes, frozen, spare, dtype = case
+    for w in (2, 3):
+        if w < world:
+            yield (w, sizes, frozen, spare, dtype)
+    if len(sizes) > 2:
+        yield (world, sizes[:2], 0 if frozen is not None else None, spare, dtype)
+
+
+def _drawn_world_case(learner, mistake, reveal):
+    cases = _draw_worlds()
+    found = falsify(cases, lambda case: (None if (why := mistake(learner, case)) is None
+                                         else f"{_describe_world(case)}: {why}"),
+                    smaller=_smaller_world, budget=8, kind=after_colon)
+    if found is None:
+        return f"{len(cases)} drawn worlds of 2, 3 and 4 thread ranks"
+    raise Wrong(str(found), reveal=reveal)
+
+
+@average_ex.case(DRAWN_BROADCAST,
+                 hint="every rank must receive rank 0's values into each of its own parameter tensors, whatever the "
+                      "number of ranks", timeout=60)
+def _(learner):
+    """Property: on drawn models (2 to 4 layers, a frozen weight, a layer no forward uses, float32 and float64) on
+    2, 3 and 4 thread ranks whose models were built with different seeds, broadcast_parameters leaves every rank's
+    parameters equal to rank 0's; the first rank that breaks it is named."""
+    return _drawn_world_case(learner, _broadcast_mistake, BROADCAST_CODE)
+
+
+@average_ex.case(DRAWN_AVERAGE,
+                 hint="average_gradients leaves every rank's .grad the mean over all ranks, whatever their number, and "
+                      "leaves a parameter without a .grad alone", timeout=60)
+def _(learner):
+    """Property: on the same drawn worlds, average_gradients leaves every rank's .grad the mean over the ranks, None
+    where there was none, the parameters untouched; the first rank that breaks it is named."""
+    return _drawn_world_case(learner, _average_mistake, AVERAGE_CODE)
+
+
 BROADCAST_CODE = "for p in model.parameters(): dist.broadcast(p.data, src=0)   # on every rank"
 AVERAGE_CODE = ("for p in model.parameters(): if p.grad is not None: dist.all_reduce(p.grad); "
                 "p.grad /= dist.get_world_size()")
@@ -189,8 +396,10 @@ AVERAGE_CODE = ("for p in model.parameters(): if p.grad is not None: dist.all_re
 
 @average_ex.case("broadcast_parameters: every rank starts from rank 0's weights",
                  hint="every rank must receive rank 0's values into each of its own parameter tensors",
-                 reveal=BROADCAST_CODE, timeout=150)
+                 reveal=BROADCAST_CODE, timeout=150, after=DRAWN_BROADCAST)
 def _(learner):
+    """Property: on 2 gloo processes whose models were built with different seeds, every rank ends with rank 0's
+    weights."""
     runs = _spawn(learner, _rank_average)
     want = list(TinyMLP(seed=10).parameters())
     for rank, out in enumerate(runs):
@@ -221,8 +430,9 @@ def _(learner):
 
 @average_ex.case("average_gradients: every .grad becomes the mean over ranks, the parameters untouched",
                  hint="every rank's .grad must end as the mean over ranks (all_reduce gives the sum), and only "
-                      ".grad may change", reveal=AVERAGE_CODE, timeout=150)
+                      ".grad may change", reveal=AVERAGE_CODE, timeout=150, after=DRAWN_AVERAGE)
 def _(learner):
+    """Property: on 2 gloo processes, every rank's .grad becomes the mean over the ranks, the parameters untouched."""
     runs = _spawn(learner, _rank_average)
     _broken_by_broadcast(runs)
     per_rank = _expected_grads()
@@ -257,8 +467,10 @@ def _(learner):
 
 
 @average_ex.case("a frozen parameter (no .grad) is skipped",
-                 hint="a parameter whose .grad is None has nothing to average: leave it alone", timeout=150)
+                 hint="a parameter whose .grad is None has nothing to average: leave it alone", timeout=150,
+                 after=DRAWN_AVERAGE)
 def _(learner):
+    """Property: on 2 gloo processes, a frozen parameter (no .grad) is left alone on every rank."""
     runs = _spawn(learner, _rank_average)
     _broken_by_broadcast(runs)
     for rank, out in enumerate(runs):
@@ -331,12 +543,147 @@ SAME_PARAMS = "every rank ends with the same parameters"
 LOOP_CODE = ("broadcast_parameters(model) once; then every step: model.zero_grad(); "
              "loss = F.mse_loss(model(x_shard), y_shard); loss.backward(); average_gradients(model); "
              "sgd_step(model, lr); losses.append(loss.item())")
+DRAWN_PARITY = "drawn worlds: on 2, 3 and 4 ranks every rank takes one process's full-batch step"
+
+
+def _draw_trainings(seed: int = 42, count: int = 6) -> list[tuple]:
+    """``(world_size, rows per rank, dim, steps, lr)``: 3, 4 and 2 ranks in turn, 1 to 4 rows each, 1 to 3 steps."""
+    rng = random.Random(seed)
+    return [((3, 4, 2)[k % 3], rng.randint(1, 4), rng.randint(2, 5), rng.randint(1, 3), rng.choice((0.1, 0.2, 0.5)))
+            for k in range(count)]
+
+
+def _reference(x, y, steps, lr, dim):
+    """One process on the full batch: TinyMLP(seed=0), plain SGD. Returns (losses, parameters)."""
+    model = TinyMLP(dim=dim, hidden=dim + 1, layers=2, seed=0)
+    losses = []
+    for _ in range(steps):
+        model.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _reference_no_zero_grad(x, y, steps, lr, dim):
+    model = TinyMLP(dim=dim, hidden=dim + 1, layers=2, seed=0)
+    for _ in range(steps):
+        F.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _parity_mistake(learner, case) -> str | None:
+    world, rows, dim, steps, lr = case
+    x, y = random_regression(n=world * rows, dim=dim, seed=7)
+    net = lambda seed: TinyMLP(dim=dim, hidden=dim + 1, layers=2, seed=seed)     # noqa: E731
+
+    def fn(rank):
+        model = net(rank)                # each rank builds its own model, with its own seed
+        losses = learner.train_data_parallel(model, x.clone(), y.clone(), steps, lr)
+        return (None if losses is None else [float(v) for v in losses]), [p.detach().clone() for p in model.parameters()]
+
+    results, errors = run_thread_ranks(world, fn)
+    found = root_error(errors)
+    if found is not None:
+        rank, exc = found
+        text = str(exc).strip().splitlines()
+        line = f"rank {rank} raised {type(exc).__name__}: {text[-1] if text else ''}"
+        if isinstance(exc, IndexError) and rank >= 2:
+            return (f"{line}: there is no shard for rank {rank}, so the batch was cut into fewer pieces than there are "
+                    f"ranks. Cut it into world_size pieces, dist.get_world_size(), whatever that is")
+        return line
+    for rank, (losses, _) in enumerate(results):
+        if not isinstance(losses, list) or len(losses) != steps:
+            return f"rank {rank} returned {losses!r:.40} for steps={steps}: return one loss per step"
+        if any(v != v for v in losses):
+            return (f"rank {rank}'s loss is nan: its shard of the batch was empty. The {world * rows} rows must be cut "
+                    f"into {world} equal shards, one per rank (a cut into 2 leaves ranks 2 and up nothing)")
+    with torch.no_grad():
+        full = float(F.mse_loss(net(0)(x), y))
+        on_shard = lambda seed, r: float(F.mse_loss(net(seed)(x.chunk(world)[r]), y.chunk(world)[r]))  # noqa: E731
+    close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))                                      # noqa: E731
+    firsts = [losses[0] for losses, _ in results]
+    if all(close(f, full) for f in firsts):
+        return ("every rank reports the full batch's loss: either each rank trained on the whole batch (the same "
+                "work on every rank: nothing is parallel) or you returned the averaged loss. Each rank computes "
+                "its loss on its own shard and returns that")
+    for rank, f in enumerate(firsts):
+        if close(f, on_shard(0, rank)):
+            continue
+        if rank and close(f, on_shard(rank, rank)):
+            return (f"rank {rank}'s first loss is its own model's: the ranks started from different weights (each "
+                    f"rank builds its model with its own seed, as independent processes would). The weights must be "
+                    f"made equal before the first step")
+        return (f"rank {rank}'s first loss is {f:.5f}, but on its shard (rows {rank * rows} to {(rank + 1) * rows - 1} "
+                f"of {world * rows}, the rank-th of {world} equal parts) rank 0's weights give "
+                f"{on_shard(0, rank):.5f}: each rank's shard is the rank-th of world_size equal parts")
+    params = [p for _, p in results]
+    for rank in range(1, world):
+        gap = _diff(params[rank], params[0])
+        if gap > 1e-6:
+            return (f"the ranks started from the same weights but drifted apart: rank {rank} differs from rank 0 by "
+                    f"{gap:.3g} after {steps} step(s), so average_gradients did not leave the same gradient on every "
+                    f"rank (reducing p.data, or a copy of p.grad, leaves each rank its own p.grad)")
+    ref = _reference(x, y, steps, lr, dim)[1]
+    gap = _diff(params[0], ref)
+    if gap < 1e-5:
+        return None
+    times = "twice" if world == 2 else f"{world} times"
+    if _diff(params[0], _reference(x, y, steps, lr * world, dim)[1]) < 1e-5:
+        if _average_mistake(learner, (world, (2, 3), None, False, torch.float32)):
+            return (f"your run matches one process at {times} the learning rate: the gradients were summed over the "
+                    f"ranks, not averaged (04.average_gradients names where)")
+        return (f"your run matches one process at {times} the learning rate: average_gradients already leaves the "
+                f"mean, the full batch's gradient, so the step is the one process's; do not scale the learning rate "
+                f"(or the loss) by the world size")
+    if _diff(params[0], _reference(x, y, steps, lr / world, dim)[1]) < 1e-5:
+        return (f"your run matches one process at lr / {world}: the gradient was divided by the world size twice, "
+                f"once in the loss and once in the average")
+    if steps > 1 and _diff(params[0], _reference_no_zero_grad(x, y, steps, lr, dim)) < 1e-5:
+        return ("your run matches one process that never zeroes its gradients: backward adds to .grad, so each step "
+                "must start from zero gradients")
+    return f"rank 0's parameters differ from one process trained on the full batch by {gap:.3g}"
+
+
+@parity_ex.case(DRAWN_PARITY,
+                hint="whatever the number of ranks, each rank trains on its own 1/world_size of the batch and every "
+                     "rank takes the step one process takes on the whole batch", reveal=LOOP_CODE, timeout=60)
+def _(learner):
+    """Property: on 2, 3 and 4 thread ranks, drawn batch sizes, widths, step counts and learning rates, every rank
+    computes its first loss on its own shard (the rank-th of world_size equal parts) and ends with the parameters
+    of one process trained on the full batch; the first rank that breaks it is named."""
+    cases = _draw_trainings()
+
+    def smaller(case):
+        world, rows, dim, steps, lr = case
+        for w in (2, 3):
+            if w < world:
+                yield (w, rows, dim, steps, lr)
+        if steps > 1:
+            yield (world, rows, dim, 1, lr)
+        if rows > 1:
+            yield (world, 1, dim, steps, lr)
+
+    found = falsify(cases, lambda c: (None if (why := _parity_mistake(learner, c)) is None
+                                      else f"{c[0]} ranks, {c[0] * c[1]} rows of {c[2]}, {c[3]} step(s) at lr {c[4]:g}: "
+                                           f"{why}"),
+                    smaller=smaller, budget=6, kind=after_colon)
+    if found is None:
+        return f"{len(cases)} drawn trainings on 2, 3 and 4 thread ranks"
+    raise Wrong(str(found), reveal=LOOP_CODE)
 
 
 @parity_ex.case(SAME_PARAMS,
                 hint="the ranks must start from the same weights and take the same step every step",
-                reveal=LOOP_CODE, timeout=150)
+                reveal=LOOP_CODE, timeout=150, after=DRAWN_PARITY)
 def _(learner):
+    """Property: on 2 gloo processes that built their models with different seeds, both ranks end equal."""
     runs = _train_runs(learner)
     gap = _diff(runs[0]["params"], runs[1]["params"])
     if gap < 1e-6:
@@ -372,6 +719,7 @@ def _(learner):
                      "first rows), of x and of y alike", reveal="x.chunk(world_size)[rank], y.chunk(world_size)[rank]",
                 after=SAME_PARAMS, timeout=150)
 def _(learner):
+    """Property: on 2 gloo processes, the mean of the ranks' first losses is the full batch's first loss."""
     runs = _train_runs(learner)
     x, y = _data()
     ref_losses, _ = train_single_process(x, y)
@@ -393,6 +741,7 @@ def _(learner):
                      "shard's loss, its gradient averaged over the ranks, then the SGD step",
                 reveal=LOOP_CODE, after=[SAME_PARAMS, "each rank trains on its own shard of the batch"], timeout=150)
 def _(learner):
+    """Property: on 2 gloo processes, rank 0's parameters after 8 steps are one process's on the full batch."""
     runs = _train_runs(learner)
     x, y = _data()
     _, ref = train_single_process(x, y)

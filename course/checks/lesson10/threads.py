@@ -45,6 +45,10 @@ class _Op:
             self.world.note(self.rank, "done", self)
 
 
+class PeerFailed(RuntimeError):
+    """A rank stopped waiting because a peer it waited for had raised (`ThreadWorld.fail_fast`)."""
+
+
 class _FakeWork:
     def __init__(self, op: _Op):
         self._op = op
@@ -89,6 +93,8 @@ class ThreadWorld:
         world_size: number of ranks.
         refuse: ``{name of a torch.distributed function: why}``: calling it raises (and is logged).
         timeout_s: how long a rank waits for its peers before it raises (instead of hanging).
+        fail_fast: a rank that waits for a peer which has failed (`fail`) stops waiting at once and raises,
+            instead of waiting out ``timeout_s``.
     """
 
     PATCHED = ("get_rank", "get_world_size", "is_initialized", "is_available", "get_backend", "barrier",
@@ -96,8 +102,11 @@ class ThreadWorld:
                "reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "broadcast",
                "isend", "irecv", "send", "recv", "batch_isend_irecv", "P2POp")
 
-    def __init__(self, world_size: int, refuse: dict[str, str] | None = None, timeout_s: float = 8.0):
+    def __init__(self, world_size: int, refuse: dict[str, str] | None = None, timeout_s: float = 8.0,
+                 fail_fast: bool = False):
         self.n = world_size
+        self.fail_fast = fail_fast
+        self.failed: set[int] = set()       # ranks that raised (`fail`), for fail_fast
         self.refuse = dict(refuse or {})
         self.timeout_s = timeout_s
         self.local = threading.local()
@@ -134,8 +143,18 @@ class ThreadWorld:
             self._taken[rank] = len(self.log)
         return out
 
+    def fail(self, rank: int) -> None:
+        """Rank ``rank`` raised: with fail_fast, its peers stop waiting for it."""
+        with self.cv:
+            self.failed.add(rank)
+            self.cv.notify_all()
+
     def _wait_for(self, predicate, what: str):
-        if not self.cv.wait_for(predicate, timeout=self.timeout_s):
+        gone = lambda: self.fail_fast and bool(self.failed - {self.rank})      # noqa: E731
+        if self.cv.wait_for(lambda: predicate() or gone(), timeout=self.timeout_s) and not predicate():
+            raise PeerFailed(f"rank {self.rank} stopped waiting for {what}: rank {min(self.failed - {self.rank})} "
+                             f"raised")
+        if not predicate():
             raise RuntimeError(f"rank {self.rank} waited {self.timeout_s:.0f} s for {what}: every rank must make the "
                                f"same calls in the same order (a hang on a real process group)")
 
@@ -159,7 +178,8 @@ class ThreadWorld:
                 raise RuntimeError(f"collective #{seq + 1}: " + ", ".join(f"rank {r} called {k}" for r, k in
                                                                           sorted(kinds.items()))
                                    + ": every rank must launch the same collectives in the same order")
-            finish([got[r][1] for r in range(self.n)])
+            with torch.no_grad():       # a real process group writes into a parameter outside autograd too
+                finish([got[r][1] for r in range(self.n)])
 
         op = _Op(self, me, kind, complete, sent_bytes, tensor)
         self.note(me, "launch", op, async_op=bool(async_op), src_ptr=None if src is None else src.data_ptr())
