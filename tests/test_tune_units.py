@@ -1,9 +1,11 @@
-"""`gradsync/tune.py`'s pieces the spawned tuning runs do not reach: a device's score, the median, rank 0's pick.
+"""`gradsync/tune.py`'s pieces the spawned tuning runs do not reach: the choice (`choose`) on synthetic scores,
+the default cap, a device's score, the median, rank 0's pick.
 
 Written against the mutants of tune.py lines 184-308 that `test_gradsync_tune.py` and
 `test_effects_auto_bucket_cap.py` let through (docs/design.md, "Mutation testing").
 """
 
+import random
 import re
 import types
 
@@ -114,7 +116,7 @@ def test_the_smallest_settings_are_accepted():
     assert t.max_steps == 1
 
 
-# -- the rematch (sharded's whole steps): the two best scored again, A B ... B A, medians of all their steps --
+# -- the rematch (sharded's whole steps): the default and the lowest scored again, A B ... B A, medians of all --
 
 
 def _run(tuner, scores_for):
@@ -130,8 +132,7 @@ def _run(tuner, scores_for):
 
 
 def _rematch_tuner(**kw):
-    return tune.BucketTuner([1.0, 2.0, 4.0, 8.0], [8, 4, 2, 1], scored_steps=5, statistic="median",
-                            tie_within_noise=True, **kw)
+    return tune.BucketTuner([1.0, 2.0, 4.0, 8.0], [8, 4, 2, 1], scored_steps=5, statistic="median", **kw)
 
 
 def test_the_rematch_scores_the_two_best_again_in_reverse_order():
@@ -145,8 +146,7 @@ def test_the_rematch_scores_the_two_best_again_in_reverse_order():
 
 def test_a_rematch_overturns_a_sweep_whose_two_best_were_told_apart_by_when_they_ran():
     # In the sweep 1 MiB ran while the machine was quiet (100) and 2 MiB once it was loaded (103, 3 %
-    # behind: past the 2 % tie). Scored again in reverse, 2 MiB is ahead; each one's median of ten
-    # steps decides.
+    # behind). Scored again in reverse, 2 MiB is ahead; each one's median of ten steps decides.
     scores = {(1.0, 0): 100.0, (2.0, 0): 103.0, (4.0, 0): 120.0, (2.0, 1): 95.0, (1.0, 1): 104.0}
 
     def feed(cap, visit):
@@ -159,22 +159,33 @@ def test_a_rematch_overturns_a_sweep_whose_two_best_were_told_apart_by_when_they
     assert again.scores_ms == [102.0, 99.0, 120.0]    # medians of both visits' ten steps
     result = again.decide()
     assert result.bucket_mb == 2.0 and result.scores_ms == {1.0: 102.0, 2.0: 99.0, 4.0: 120.0}
-    assert "the two best (1, 2 MiB) scored again, of 10 steps" in result.scored
+    assert "1 and 2 MiB scored again, of 10 steps" in result.scored
 
 
-def test_a_rematched_tie_is_judged_by_the_noise_of_all_its_steps():
+def test_a_rematched_win_over_the_default_is_judged_by_the_noise_of_all_its_steps():
     # Both visits spread +-3 around the candidate's middle: half the spread 3, over the root of the
-    # ten steps each score is now the median of: 0.95. 0.9 ms apart is a tie (to the larger cap);
-    # 1.2 ms apart is not, though it would be within a five-step median's noise (3 / root 5 = 1.34).
+    # ten steps each score is now the median of: 0.95. 0.9 ms under the default is within the noise
+    # (the default stays); 1.2 ms under is not, though it would be within a five-step median's
+    # noise (3 / root 5 = 1.34).
     def tuned(second_mb_ms):
-        t = _rematch_tuner(rematch=True)
+        t = _rematch_tuner(rematch=True, default_mb=1.0, min_gain=0.0)
         mids = {1.0: 100.0, 2.0: second_mb_ms, 4.0: 130.0}
         _run(t, lambda cap, visit: [mids[cap] - 3, mids[cap], mids[cap], mids[cap], mids[cap] + 3])
-        assert t.scores_ms[:2] == [100.0, second_mb_ms] and t.noise_ms[:2] == [3.0, 3.0]
+        assert t.rematched == [1, 0] and t.scores_ms[:2] == [100.0, second_mb_ms] and t.noise_ms[:2] == [3.0, 3.0]
         return t.decide().bucket_mb
 
-    assert tuned(100.9) == 2.0
-    assert tuned(101.2) == 1.0
+    assert tuned(99.1) == 1.0
+    assert tuned(98.8) == 2.0
+
+
+def test_the_rematch_scores_the_default_against_the_lowest_and_none_when_the_default_is_lowest():
+    sweep = {1.0: 100.0, 2.0: 90.0, 4.0: 95.0, 8.0: 130.0}
+    t = _rematch_tuner(rematch=True, default_mb=4.0)
+    assert _run(t, lambda cap, visit: [sweep[cap]] * 5) == [1.0, 2.0, 4.0, 8.0, 4.0, 2.0]   # 4 tried after 2
+    assert t.rematched == [2, 1]
+    home = _rematch_tuner(rematch=True, default_mb=2.0)
+    assert _run(home, lambda cap, visit: [{**sweep, 1.0: 120.0}[cap]] * 5) == [1.0, 2.0, 4.0, 8.0]
+    assert home.rematched == [] and home.decide().bucket_mb == 2.0
 
 
 def test_one_candidate_has_nothing_to_rematch():
@@ -188,7 +199,7 @@ def test_the_rematch_agrees_on_each_visits_score_on_every_rank():
     # Every finished visit is one agreement (two with the noise), the same count on every rank.
     agreed = []
     t = tune.BucketTuner([1.0, 2.0], [2, 1], scored_steps=1, statistic="median", rematch=True,
-                         tie_within_noise=True, agree=lambda v: agreed.append(v) or v)
+                         agree=lambda v: agreed.append(v) or v)
     _run(t, lambda cap, visit: [{1.0: 10.0, 2.0: 20.0}[cap] + visit])
     assert len(agreed) == 2 * 4
     assert t.scores_ms == [10.5, 20.5]   # each the median of its two visits
@@ -208,3 +219,88 @@ def test_a_rank_whose_backward_fired_no_hook_scores_from_what_it_has(monkeypatch
     assert cap._score_ms() == pytest.approx(250.0)
     assert cap._score_ms() == pytest.approx(750.0 if whole_step else 0.0)   # no hook; ends at 2.0
     assert cap._start is None and cap._last_end[0] == 2.0
+
+
+# -- the choice holds still: the default unless a candidate beats it by more than the noise --------------
+
+
+def _scores(ms: dict, noise: float = 0.0, steps: int = 2) -> dict:
+    return {cap: tune.Score(v, noise, steps) for cap, v in ms.items()}
+
+
+def test_scores_within_their_noise_keep_the_default_whichever_is_lowest():
+    # Every candidate within 5 % of the default's 100 ms: the lowest (16 MiB, 96) is not a win.
+    cap, reason = tune.choose(_scores({0.25: 98.0, 1.0: 100.0, 4.0: 97.5, 16.0: 96.0}), default_mb=1.0)
+    assert cap == 1.0 and "the default 1 MiB" in reason
+    # The held-out sharded bench of 2026-12-06: scores within 8 % of each other, where the spread
+    # of five whole steps (+-40 ms: 40 / root 5 = 18 ms) is more than the 8 %.
+    held_out = {0.25: 402.0, 1.0: 385.0, 4.0: 379.0, 8.0: 381.0, 16.0: 371.0}
+    assert tune.choose(_scores(held_out, noise=40.0, steps=5), default_mb=1.0)[0] == 1.0
+
+
+def test_a_clear_win_over_the_default_replaces_it():
+    cap, reason = tune.choose(_scores({0.25: 80.0, 1.0: 100.0, 4.0: 99.0}), default_mb=1.0)
+    assert cap == 0.25 and "20% under the default 1 MiB" in reason
+    # A win is more than the spread's noise, not only more than MIN_GAIN: 8 % under with steps
+    # spread +-20 ms over 5 (noise 20 / root 5 = 8.9 ms) is not one; with steady steps it is.
+    assert tune.choose(_scores({1.0: 100.0, 4.0: 92.0}, noise=20.0, steps=5), default_mb=1.0)[0] == 1.0
+    assert tune.choose(_scores({1.0: 100.0, 4.0: 92.0}, noise=1.0, steps=5), default_mb=1.0)[0] == 4.0
+
+
+def test_among_clear_wins_within_noise_of_each_other_the_one_nearest_the_default_is_taken():
+    # 0.25 and 0.5 MiB both beat the 1 MiB default by far and are within 5 % of each other: 0.5 is
+    # one doubling from it, 0.25 two. Which of them scored lower does not matter.
+    for low in (85.0, 87.0):
+        assert tune.choose(_scores({0.25: low, 0.5: 86.0, 1.0: 100.0, 2.0: 101.0}), default_mb=1.0)[0] == 0.5
+    # Equally near on both sides: the larger cap (fewer collectives).
+    assert tune.choose(_scores({0.5: 80.0, 1.0: 100.0, 2.0: 81.0}), default_mb=1.0)[0] == 2.0
+    # A win far ahead of the others is taken, however far from the default.
+    assert tune.choose(_scores({0.25: 60.0, 0.5: 86.0, 1.0: 100.0}), default_mb=1.0)[0] == 0.25
+
+
+def test_the_same_scores_in_any_order_give_the_same_choice():
+    rng = random.Random(0)
+    for _ in range(200):
+        caps = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0]
+        scores = {c: tune.Score(rng.uniform(80, 120), rng.uniform(0, 10), rng.choice((2, 5, 10))) for c in caps}
+        default = rng.choice(caps)
+        first = tune.choose(scores, default)
+        for _ in range(5):
+            order = list(scores.items())
+            rng.shuffle(order)
+            assert tune.choose(dict(order), default) == first
+
+
+def test_runs_whose_scores_differ_only_by_noise_choose_the_same_cap_every_time():
+    # Each run of the same job scores every cap at its true 100 ms plus noise of +-2 %: the lowest
+    # score differs from run to run (three runs chose 0.25, 0.5 and 2 MiB); the choice does not.
+    rng = random.Random(1)
+    caps = [0.25, 0.5, 1.0, 2.0, 4.0]
+    lowest, chosen = set(), set()
+    for _ in range(100):
+        scores = {c: tune.Score(100.0 * (1 + rng.uniform(-0.02, 0.02)), 1.0, 2) for c in caps}
+        lowest.add(min(scores, key=lambda c: scores[c].ms))
+        chosen.add(tune.choose(scores, default_mb=1.0)[0])
+    assert len(lowest) == len(caps) and chosen == {1.0}
+
+
+def test_the_default_is_ddps_cap_made_smaller_for_a_model_it_would_cut_into_fewer_than_eight_buckets():
+    assert tune.DEFAULT_MIN_BUCKETS == 8
+    # The bench's GPT-2 4x384 (28 MiB): 2 MiB cuts it like 1, 4 MiB into 7 buckets.
+    assert tune.default_cap([0.25, 1.0, 4.0, 8.0, 16.0, 32.0], [17, 13, 7, 4, 2, 1]) == 1.0
+    # A large model: the largest candidate under DDP's 25 MiB.
+    assert tune.default_cap([0.25, 1.0, 4.0, 16.0, 32.0], [2000, 500, 125, 32, 16]) == 16.0
+    # A model no candidate cuts into eight: the one with the most buckets.
+    assert tune.default_cap([0.25, 0.5, 1.0], [6, 3, 1]) == 0.25
+
+
+def test_the_sweep_does_not_stop_before_it_has_scored_the_default():
+    t = tune.BucketTuner([0.25, 1.0, 4.0, 8.0], [16, 8, 4, 2], scored_steps=1, default_mb=4.0)
+    _run(t, lambda cap, visit: [{0.25: 100.0, 1.0: 120.0, 4.0: 130.0, 8.0: 90.0}[cap]])
+    assert list(t.decide().scores_ms) == [0.25, 1.0, 4.0]   # 1 MiB 20 % above the best, yet the default is tried
+    assert t.decide().bucket_mb == 0.25
+
+
+def test_a_default_that_is_not_a_candidate_is_refused_by_name():
+    with pytest.raises(ValueError, match=re.escape("default_mb=3.0 must be one of candidates_mb")):
+        tune.BucketTuner([1.0, 2.0], [4, 2], default_mb=3.0)
