@@ -304,3 +304,21 @@ def test_the_sweep_does_not_stop_before_it_has_scored_the_default():
 def test_a_default_that_is_not_a_candidate_is_refused_by_name():
     with pytest.raises(ValueError, match=re.escape("default_mb=3.0 must be one of candidates_mb")):
         tune.BucketTuner([1.0, 2.0], [4, 2], default_mb=3.0)
+
+
+@pytest.mark.parametrize("whole_step", [False, True])
+def test_auto_on_the_same_job_chooses_the_same_cap_run_after_run_when_its_scores_differ_by_noise(whole_step):
+    # Thirty runs of one job whose caps all take 100 ms a step, each step measured +-2 %: as GradSync
+    # tunes it (the candidates, the sweep, the rematch, the pick), every run keeps one cap.
+    from hfstream.gradsync.buckets import plan_buckets
+
+    named = [(f"p{i}", torch.empty(2**16, device="meta")) for i in range(200)]   # 50 MiB, every cap distinct
+    rng, chosen = random.Random(2), set()
+    for _ in range(30):
+        cap = tune.AutoBucketCap(lambda c: plan_buckets(named, c), None, torch.device("cpu"), whole_step=whole_step)
+        tuner = cap.tuner
+        tuner.agree = float   # one process: nothing to agree with
+        while not tuner.done:
+            tuner.observe(100.0 * (1 + rng.uniform(-0.02, 0.02)))
+        chosen.add(tuner.decide().bucket_mb)
+    assert chosen == {4.0}   # the default: the largest cap that cuts 50 MiB into at least 8 buckets
