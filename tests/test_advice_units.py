@@ -124,7 +124,8 @@ def test_a_bucket_advice_names_a_candidate_cap():
 class _FakeSync:
     world_size = 2
     comm_dtype = None
-    bucket_mb = 4.0
+    bucket_mb = cap_mb = 4.0   # as asked, and in use
+    tuning = None
     process_group = None   # dist.get_backend fails without a group: the default guess
 
     def __init__(self, dtype):

@@ -98,7 +98,7 @@ def train_auto(rank, world_size, *, steps, accum=1, set_to_none=True, fake_score
                 (model(xs, fs) / accum).backward()
         sync.finish()
         ref(x, flagged).backward()
-        record = {"tuning": sync.tuning is not None, "bucket_mb": sync.bucket_mb, "buckets": len(sync.buckets),
+        record = {"tuning": sync.tuning is not None, "bucket_mb": sync.bucket_mb, "cap_mb": sync.cap_mb, "buckets": len(sync.buckets),
                   "collectives": sync.stats.num_collectives,
                   "grad_diff": _max_rel_diff(model, ref, grads=True),
                   "never_grad_is_none": model.never.weight.grad is None}
@@ -179,8 +179,8 @@ def test_tuning_ends_after_a_bounded_number_of_synchronised_steps(tuned):
             # no_sync() do not count.
             flags = [r["tuning"] for r in res["per_step"]]
             assert flags == [True] * (steps - 1) + [False] * (len(flags) - steps + 1), config
-            assert all(r["bucket_mb"] == "auto" for r in res["per_step"][: steps - 1])
-            assert all(r["bucket_mb"] == chosen and r["buckets"] == num_buckets for r in res["per_step"][steps - 1:])
+            assert all(r["bucket_mb"] == "auto" for r in res["per_step"])   # as asked, throughout
+            assert all(r["cap_mb"] == chosen and r["buckets"] == num_buckets for r in res["per_step"][steps - 1:])
             # Every candidate tried was really used: the number of collectives followed the plan.
             assert len({r["collectives"] for r in res["per_step"][:steps]}) == len(tried), config
             # The choice is the same on every rank: rank 0 says it, once.
@@ -206,7 +206,7 @@ def test_parity_with_single_process_while_buckets_are_replanned(tuned, config):
 def test_auto_with_one_process_tunes_nothing():
     with GradSync(WideMLP(), bucket_mb="auto") as sync:
         assert sync.tuning is None and sync.tuning_result is None
-        assert sync.bucket_mb == 25.0
+        assert sync.bucket_mb == "auto" and sync.cap_mb == 25.0
 
 
 @pytest.mark.parametrize("value", ["Auto", "tune", "", None, [1, 2], float("nan"), -2])

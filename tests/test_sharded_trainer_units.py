@@ -54,16 +54,11 @@ class FakeSync:
     def agree(self, *flags):   # one process: every rank is this one
         return list(flags)
 
-
-class FakeReduction:
-    def __init__(self, sync):
-        self.sync = sync
-
     def gather_gradients(self):
-        self.sync.calls.append("gather")
+        self.calls.append("gather")
 
     def scatter_gradients(self):
-        self.sync.calls.append("scatter")
+        self.calls.append("scatter")
 
 
 class Handler:
@@ -78,9 +73,8 @@ class Handler:
 
 
 @pytest.fixture
-def guarded(monkeypatch):
+def guarded():
     sync = FakeSync()
-    monkeypatch.setattr(st, "sharded_reduction", FakeReduction)
     notes = []
 
     def make(callbacks, sharded=True):
@@ -164,9 +158,20 @@ def test_a_failing_callback_still_puts_the_gradients_back(guarded, event, last):
         assert sync.p.grad is None
 
 
-def test_sharded_reduction_refuses_another_mode_by_name():
-    with pytest.raises(TypeError, match=r"expected GradSync\(mode='sharded'\), got mode='overlap'"):
-        st.sharded_reduction(types.SimpleNamespace(reduction=object(), mode="overlap"))
+def test_whole_gradient_calls_are_nothing_under_a_whole_gradient_mode():
+    # The Trainer calls GradSync's public gather/scatter/accumulate only (it used to reach for the
+    # sharded strategy and refuse another by name): under "overlap" they leave .grad as it is.
+    from hfstream import GradSync
+
+    model = torch.nn.Linear(3, 2)
+    model(torch.ones(1, 3)).sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    with GradSync(model, mode="overlap") as sync:
+        sync.gather_gradients()
+        sync.accumulate = True
+        sync.scatter_gradients()
+        assert sync.accumulate is True
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before))
 
 
 def test_overrides_compute_loss():

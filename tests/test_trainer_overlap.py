@@ -101,7 +101,7 @@ def _auto_bucket(rank, world_size, tmp):
     logs = reported(trainer)
     trainer.train()
     logged = [h["stream/bucket_mb"] for h in logs if "stream/bucket_mb" in h]
-    return trainer.grad_sync.bucket_mb, logged, params(trainer.model)
+    return trainer.grad_sync.cap_mb, logged, params(trainer.model)
 
 
 def test_auto_bucket_is_tuned_identically_on_every_rank(tmp_path, run_distributed):

@@ -6,12 +6,43 @@ Trainer accepts is one GradSync accepts.
 
 from __future__ import annotations
 
+import enum
+
 import torch
 
 from .. import streams
 from .buckets import bucket_cap_bytes
 
-MODES = ("overlap", "serial", "sharded")
+
+
+class Mode(str, enum.Enum):
+    """How the gradients are synchronised: ``grad_sync`` of the Trainer, ``mode`` of GradSync.
+
+    A ``str`` as well, so ``Mode.SHARDED == "sharded"`` and users keep passing strings; it prints
+    as the string it is (messages name ``'sharded'``, not the enum).
+    """
+
+    OVERLAP = "overlap"   # GradSync: buckets all-reduced from the gradient hooks, during backward
+    SERIAL = "serial"     # GradSync: every bucket all-reduced in finish(), after backward
+    SHARDED = "sharded"   # GradSync: reduce-scatter in backward, each rank steps its slice, all-gather after
+    NATIVE = "native"     # the Trainer's own DDP (or FSDP/DeepSpeed): hfstream reduces nothing
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def by_gradsync(self) -> bool:
+        """GradSync reduces the gradients (every mode but ``NATIVE``)."""
+        return self is not Mode.NATIVE
+
+
+MODES = tuple(m.value for m in Mode if m.by_gradsync)   # GradSync's accepted ``mode`` values
 STREAM_PRIORITIES = tuple(streams.PRIORITIES)   # "normal", "high"
 COMM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}          # wire dtypes, by their short name
 COMM_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}

@@ -72,6 +72,7 @@ class Reduction:
     """The whole-gradient strategy's defaults; `AllReduce` and `sharded.ShardedReduction` implement it."""
 
     launch_from_hooks = True   # False: every bucket waits for finish() (mode="serial")
+    accumulate = False         # sharded: a further backward adds its mean to the slices' (.grad does by itself)
     tune_whole_step = False    # bucket_mb="auto" scores whole steps: the cap changes forward and step too
     last_bucket_mb = None      # GradSync's default last_bucket_mb: None = no separate last bucket
 
@@ -124,6 +125,12 @@ class Reduction:
                            "sync.shard_optimizer(optimizer) called; otherwise use optimizer.state_dict()")
 
     def wait_for_params(self) -> None:
+        pass
+
+    def gather_gradients(self) -> None:
+        pass   # .grad is whole already
+
+    def scatter_gradients(self) -> None:
         pass
 
     @property

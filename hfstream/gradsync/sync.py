@@ -55,7 +55,7 @@ from .bucket_state import BucketState, Phase
 from .buckets import Bucket
 from .comm_streams import CommStreams
 from .eager import ModelHook, eager_hook
-from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, check_arguments, comm_dtype_name
+from .options import COMM_DTYPES, DEFAULT_BUCKET_MB, DEFAULT_TIMEOUT_S, Mode, check_arguments, comm_dtype_name
 from .overlap_check import OverlapCheck
 from .reduction import AllReduce, Reduction, Wiring
 from .sharded.reduction import ShardedReduction
@@ -169,7 +169,8 @@ class GradSync:
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
         wire = comm_dtype_name(comm_dtype)
-        self.model, self.mode = model, mode
+        self.model, self.mode = model, Mode(mode)
+        self._bucket_mb = bucket_mb if bucket_mb == "auto" else float(bucket_mb)   # as asked (`cap_mb`: in use)
         self.timeout_s = float(timeout) if timeout is not None else DEFAULT_TIMEOUT_S
         self.first_bucket_mb = first_bucket_mb
         self.comm_dtype = COMM_DTYPES[wire] if wire is not None else None
@@ -203,19 +204,20 @@ class GradSync:
         self._recorder = StatsRecorder()
         self._wiring = Wiring(model, self._hooked, process_group, self.world_size, self.rank, self.timeout_s,
                               self._recorder, self._comm_streams, self._say)
-        self.reduction: Reduction = (ShardedReduction(self._wiring) if mode == "sharded" else AllReduce(self._wiring, serial=mode == "serial"))
+        self.reduction: Reduction = (ShardedReduction(self._wiring) if self.mode is Mode.SHARDED
+                                     else AllReduce(self._wiring, serial=self.mode is Mode.SERIAL))
         self.last_bucket_mb = self.reduction.last_bucket_mb if last_bucket_mb is None else last_bucket_mb
         self._planner = Planner(self._hooked, bucket_mb, first_bucket_mb, process_group if self._active else None,
                                 tune_whole_step=self.reduction.tune_whole_step, last_bucket_mb=self.last_bucket_mb)
         self._steps = 0                         # synchronised steps finished
-        self._overlap = OverlapCheck(mode)     # says once when reductions could not overlap backward
+        self._overlap = OverlapCheck(self.mode)     # says once when reductions could not overlap backward
         self.buckets: list[Bucket] = self._planner.plan()
         self._reset_step()
         # The buffer broadcast's group (`buffer_group`): the gradients' own, or one of its own under sharded.
         self._buffer_group = process_group
         if self._active:
             broadcast_from_rank0(model, process_group)
-            if mode == "sharded" and broadcast_buffers and any(True for _ in model.buffers()):
+            if self.mode is Mode.SHARDED and broadcast_buffers and any(True for _ in model.buffers()):
                 self._buffer_group = broadcast.buffer_group(process_group, self._say)
             self._build_states(previous=None)
             for i, (_, p) in enumerate(self._hooked):
@@ -230,8 +232,13 @@ class GradSync:
     # -- what other modules may read -----------------------------------------------------------------
     @property
     def bucket_mb(self) -> float | str:
-        """The cap in use; under ``"auto"`` the string while tuning, then the chosen cap."""
-        return self._planner.bucket_mb
+        """The cap asked for: MiB, or ``"auto"``. What is in use now is `cap_mb`; tuning, `tuning`."""
+        return self._bucket_mb
+
+    @property
+    def cap_mb(self) -> float:
+        """The cap of the buckets in use now, in MiB: under ``"auto"`` the candidate being tried, then the choice."""
+        return self._planner.planned_mb
 
     @property
     def tuning(self) -> BucketTuner | None:
@@ -496,6 +503,34 @@ class GradSync:
         """After `finish()`: ``torch.nn.utils.clip_grad_norm_`` on the whole mean gradient; returns the norm."""
         norm_type = shard_optim.check_norm_type(norm_type)
         return self.reduction.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
+
+    @property
+    def accumulate(self) -> bool:
+        """Whether the next synchronised backward adds its mean to the one held (FGM, SAM, sync_each_batch).
+
+        ``.grad`` accumulates by itself under ``"overlap"``/``"serial"``; under ``"sharded"`` the
+        slices hold the mean, and this says whether a further backward adds to them or replaces them.
+        """
+        return self.reduction.accumulate
+
+    @accumulate.setter
+    def accumulate(self, value: bool) -> None:
+        self.reduction.accumulate = bool(value)
+
+    def gather_gradients(self) -> None:
+        """After `finish()`: every hooked parameter's ``.grad`` holds the whole mean gradient.
+
+        ``mode="sharded"``: gathered from every rank's slices (a collective, every rank calls it);
+        otherwise nothing to do (``.grad`` is whole already).
+        """
+        self.reduction.gather_gradients()
+
+    def scatter_gradients(self) -> None:
+        """After `gather_gradients()` and code that changed ``.grad``: the slices take ``.grad`` as it is now.
+
+        ``mode="sharded"`` only (no collective); otherwise nothing to do.
+        """
+        self.reduction.scatter_gradients()
 
     def grad_norms(self) -> dict[str, torch.Tensor]:
         """After `finish()`: each parameter's mean-gradient 2-norm, by name (under sharded: one small all-reduce)."""

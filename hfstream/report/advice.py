@@ -782,7 +782,7 @@ def facts_from_trainer(trainer) -> RunFacts:
         hooked = sync.hooked_parameters
         elem = hooked[0][1].element_size() if hooked else 4
         wire = sync.comm_dtype.itemsize if sync.comm_dtype is not None else elem
-        bucket_mb = sync.bucket_mb if isinstance(sync.bucket_mb, float) else None
+        bucket_mb = sync.cap_mb if sync.tuning is None else None
         plan = lambda cap: [b.nbytes for b in sync.plan_for(cap)]   # noqa: E731
         try:
             import torch.distributed as dist

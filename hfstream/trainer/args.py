@@ -47,10 +47,10 @@ import torch
 from transformers import TrainingArguments
 
 from .field_defaults import check_field_defaults
-from ..gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, STREAM_PRIORITIES, comm_dtype_name
+from ..gradsync.options import COMM_DTYPES, DEFAULT_BUCKET_MB, MODES, STREAM_PRIORITIES, Mode, comm_dtype_name
 from ..log import notice
 
-GRAD_SYNC_MODES = ("auto", "overlap", "serial", "sharded", "native")
+GRAD_SYNC_MODES = ("auto", *(m.value for m in Mode))   # "auto": resolved by the Trainer (`data_parallel`)
 
 logger = logging.getLogger(__name__)
 
@@ -154,18 +154,18 @@ class StreamTrainingArguments(TrainingArguments):
         check_field_defaults(type(self), StreamTrainingArguments)   # another subclass's defaults must survive
         self._validate_stream_fields()
         if self.logging_nan_inf_filter is None:
-            self.logging_nan_inf_filter = self.prefetch_depth == 0 and self.grad_sync == "native"
+            self.logging_nan_inf_filter = self.prefetch_depth == 0 and self.grad_sync == Mode.NATIVE
         if not self.use_cpu and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.accelerator.is_available():
             notice(logger, "hfstream: %s processes and no accelerator: setting use_cpu=True so that they train "
                            "as one data-parallel job over gloo", os.environ["WORLD_SIZE"])
             self.use_cpu = True
-        if self.grad_sync == "sharded" and self.fp16:
+        if self.grad_sync == Mode.SHARDED and self.fp16:
             raise ValueError(
                 "grad_sync='sharded' cannot be combined with fp16=True: the fp16 GradScaler looks for inf/NaN in each "
                 "rank's own gradient slices only, so ranks could disagree on skipping a step. Use bf16=True (no "
                 "scaler), or grad_sync='overlap' with fp16."
             )
-        if self.grad_sync in ("overlap", "serial", "sharded") and self.uses_engine_owning_comm():
+        if self.grad_sync in MODES and self.uses_engine_owning_comm():
             raise ValueError(
                 f"grad_sync={self.grad_sync!r} cannot be combined with FSDP, DeepSpeed or tensor parallelism: "
                 "those engines own gradient communication. Use grad_sync='native' (or 'auto')."

@@ -12,6 +12,7 @@ import logging
 
 from accelerate.utils import DistributedType
 
+from ..gradsync.options import Mode
 from ..log import notice
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,6 @@ PLAIN_DP = {
     DistributedType.MULTI_XPU, DistributedType.MULTI_NPU, DistributedType.MULTI_MLU,
     DistributedType.MULTI_SDAA, DistributedType.MULTI_MUSA, DistributedType.MULTI_HPU,
 } - {None}
-HFSTREAM_MODES = ("overlap", "serial", "sharded")   # the modes in which hfstream reduces the gradients itself
 
 
 def model_is_tensor_parallel(model, loaded_distributed: bool) -> bool:
@@ -36,24 +36,24 @@ def model_is_tensor_parallel(model, loaded_distributed: bool) -> bool:
     return model is not None and any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def resolve_grad_sync(args, accelerator, tensor_parallel_model: bool) -> str:
+def resolve_grad_sync(args, accelerator, tensor_parallel_model: bool) -> Mode:
     """'auto' -> 'overlap' under plain multi-process data parallel, else 'native' (said once, see `notice`).
 
     Raises:
         ValueError: an hfstream mode asked for where FSDP, DeepSpeed or tensor parallelism owns
             gradient communication.
     """
-    requested = args.grad_sync
+    requested = args.grad_sync if args.grad_sync == "auto" else Mode(args.grad_sync)
     engine = accelerator.distributed_type
     plain_dp = engine in PLAIN_DP and not args.uses_engine_owning_comm() and not tensor_parallel_model
-    if requested in HFSTREAM_MODES and not plain_dp:
+    if requested != "auto" and requested.by_gradsync and not plain_dp:
         owner = ("the model was sharded at load time (DTensor parameters / from_pretrained(distributed_config=...))"
                  if tensor_parallel_model else f"Accelerate runs {engine}")
         raise ValueError(
             f"grad_sync={requested!r} needs plain data parallel, but {owner}: FSDP, DeepSpeed and tensor "
             "parallelism own gradient communication. Use grad_sync='native'.")
     if requested != "auto":
-        if requested in HFSTREAM_MODES and accelerator.num_processes == 1:
+        if requested.by_gradsync and accelerator.num_processes == 1:
             notice(logger, "hfstream: grad_sync=%r on one process: there is nothing to synchronise, so no gradient "
                    "is communicated (prefetching and the step report still apply); it takes effect under "
                    "`accelerate launch` with several processes", requested)
@@ -62,9 +62,9 @@ def resolve_grad_sync(args, accelerator, tensor_parallel_model: bool) -> str:
     if multi and (args.uses_engine_owning_comm() or tensor_parallel_model):
         logger.warning("hfstream: grad_sync='auto' falls back to 'native': FSDP/DeepSpeed/tensor parallelism (or a "
                        "model sharded at load time) own gradient communication (prefetching still applies)")
-        return "native"
-    mode = "overlap" if plain_dp and multi and args.n_gpu <= 1 else "native"
-    reason = ("plain multi-process data parallel" if mode == "overlap"
+        return Mode.NATIVE
+    mode = Mode.OVERLAP if plain_dp and multi and args.n_gpu <= 1 else Mode.NATIVE
+    reason = ("plain multi-process data parallel" if mode is Mode.OVERLAP
               else f"distributed type {engine}, {accelerator.num_processes} process(es)")
     notice(logger, "hfstream: grad_sync='auto' resolved to %r (%s)", mode, reason)
     return mode
@@ -90,7 +90,7 @@ def gradient_group(args):
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     high = args.comm_stream_priority == "high"
-    if not (high or getattr(args, "grad_sync", None) == "sharded"):
+    if not (high or getattr(args, "grad_sync", None) == Mode.SHARDED):
         return None
     if "nccl" not in str(dist.get_backend()) or not hasattr(dist, "ProcessGroupNCCL"):
         return None

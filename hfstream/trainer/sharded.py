@@ -33,7 +33,6 @@ from torch.overrides import TorchFunctionMode
 from transformers import TrainerCallback
 
 from ..gradsync.eager import ModelHook
-from ..gradsync.sharded.reduction import ShardedReduction
 
 _OWN_CALLBACKS = ("transformers.trainer_callback", "transformers.integrations")   # never read parameters
 _GRADIENT_EVENTS = ("on_pre_optimizer_step", "on_optimizer_step")   # stock holds the mean gradient there
@@ -44,19 +43,6 @@ def _user_callbacks(callbacks, event: str) -> list:
     base = getattr(TrainerCallback, event, None)
     return [cb for cb in callbacks if getattr(type(cb), event, None) is not base
             and not type(cb).__module__.startswith(_OWN_CALLBACKS)]
-
-
-def sharded_reduction(sync) -> ShardedReduction:
-    """``sync``'s strategy, which must be the sharded one: only it has the gradient gathers used here.
-
-    `gather_gradients`/`scatter_gradients` (the whole mean gradient in ``.grad`` for user code, and
-    back into the slices) mean nothing under the whole-gradient strategies, where ``.grad`` is
-    whole already, so they are not on the `reduction.Reduction` contract; a call site says
-    which strategy it holds through this.
-    """
-    if not isinstance(sync.reduction, ShardedReduction):
-        raise TypeError(f"expected GradSync(mode='sharded'), got mode={sync.mode!r}")
-    return sync.reduction
 
 
 class CallbackGuard:
@@ -110,13 +96,12 @@ class CallbackGuard:
                            f"in .grad; under grad_sync='sharded' each rank holds only its slice, so hfstream gathers "
                            f"the whole gradient for it every step (one all-gather of the gradients, their memory "
                            f"again). For norms only, read trainer.grad_sync.grad_norms() instead")
-        reduction = sharded_reduction(sync)
-        reduction.gather_gradients()
+        sync.gather_gradients()
         try:
             return self._call(event, args, state, control, **kwargs)
         finally:
             # Before the step a callback may have changed .grad (custom clipping): the slices take it.
-            reduction.scatter_gradients() if event == "on_pre_optimizer_step" else _release(sync)
+            sync.scatter_gradients() if event == "on_pre_optimizer_step" else _release(sync)
 
 
     def _gathers_for(self, sync, event: str, readers: list) -> bool:

@@ -42,8 +42,8 @@ from .args import StreamTrainingArguments
 from .combined_args import default_stream_args
 from .clean_exit import release_at_exit
 from ..gradsync.eager import ModelHook
-from .sharded import sharded_reduction
-from .data_parallel import HFSTREAM_MODES, gradient_group, model_is_tensor_parallel, resolve_grad_sync
+from ..gradsync.options import Mode
+from .data_parallel import gradient_group, model_is_tensor_parallel, resolve_grad_sync
 from ..log import notice, show_hfstream_logs
 from .loader_state import LoaderView, restore_loader_state, tag_loader_state
 from ..report.fields import KEYS as REPORT_KEYS
@@ -178,12 +178,12 @@ class StreamTrainerMixin:
 
     @property
     def _hfstream_sync(self) -> bool:
-        return self.grad_sync_mode in HFSTREAM_MODES
+        return self.grad_sync_mode.by_gradsync
 
     @property
     def _zero1_optimizer(self) -> bool:
         """grad_sync="sharded" on several processes: each rank's optimizer holds its slices only."""
-        return self.grad_sync is not None and self.grad_sync.mode == "sharded" and self.grad_sync.world_size > 1
+        return self.grad_sync is not None and self.grad_sync.mode is Mode.SHARDED and self.grad_sync.world_size > 1
 
     # -- where data moves to the device ------------------------------------------------------------
     def get_train_dataloader(self):
@@ -201,8 +201,9 @@ class StreamTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         self._watch(f"loading the batches of step {self.state.global_step + 1} (the data loader, then "
                     f"num_items_in_batch across ranks)")
-        if self._timeline is not None:
-            self._timeline.begin_step(self.state.global_step + 1)
+        if self._timeline is not None:   # a step under a candidate cap of grad_bucket_mb="auto" is reported apart
+            self._timeline.begin_step(self.state.global_step + 1,
+                                      tuning=self.grad_sync is not None and self.grad_sync.tuning is not None)
         batches = super().get_batch_samples(self._prefetched(epoch_iterator), num_batches, device)
         if self._timeline is not None:
             self._timeline.data_ready()
@@ -257,7 +258,7 @@ class StreamTrainerMixin:
             self.grad_sync.require_backward_grad_sync = False
             self.grad_sync.follow_forwards = False
             self._step_began = True
-            if self.grad_sync_mode == "sharded":
+            if self.grad_sync_mode is Mode.SHARDED:
                 self._shard_optimizer()
             if self.args.effective_bucket_mb != self.args.grad_bucket_mb:
                 notice(logger, "hfstream: using ddp_bucket_cap_mb=%s for hfstream's gradient buckets",
@@ -381,7 +382,7 @@ class StreamTrainerMixin:
             if self._zero1_optimizer:
                 # The slices start from this backward's mean at an optimizer step's first synchronising
                 # micro-step; a later one (Accelerate's sync_each_batch) adds to them, as .grad does.
-                sharded_reduction(sync).accumulate = syncs and not self._step_began
+                sync.accumulate = syncs and not self._step_began
         if timeline is not None:
             timeline.forward_start()
         try:
@@ -398,7 +399,7 @@ class StreamTrainerMixin:
         if sync is not None and syncs:
             self._backward_ended()
             if whole:   # the slices take the whole gradient, as the user's code left it
-                sharded_reduction(sync).scatter_gradients()
+                sync.scatter_gradients()
         if timeline is not None and self.accelerator.sync_gradients:
             timeline.optimizer_start()
         return loss
@@ -420,14 +421,13 @@ class StreamTrainerMixin:
             self._note(note)
         self._backwards += 1
         if self._zero1_optimizer:
-            reduction = sharded_reduction(sync)
             if self._whole_in_window:
-                reduction.gather_gradients()   # the mean, whole, in .grad: a further backward adds to it there
-                reduction.accumulate = False   # (so the slices must not carry it as well)
+                sync.gather_gradients()   # the mean, whole, in .grad: a further backward adds to it there
+                sync.accumulate = False   # (so the slices must not carry it as well)
                 if self._gradient_reads is not None:
                     self._gradient_reads.gathered(sync.hooked_parameters)
             else:
-                reduction.accumulate = True    # a further backward adds its mean to the slices'
+                sync.accumulate = True    # a further backward adds its mean to the slices'
         if timeline is not None and sync.after_backward is not None:
             timeline.forward_start()   # a further forward of this step (FGM, SAM) is timed from here
 
@@ -697,8 +697,8 @@ class StreamTrainerMixin:
             copies = self._prefetcher.stats if self._prefetcher is not None else None
             if copies is not None and copies.copy_ms is not None:      # on an accelerator only
                 logs["stream/copy_ms"], logs["stream/copy_gbps"] = round(copies.copy_ms, 4), round(copies.copy_gbps, 3)
-            if self.grad_sync is not None and isinstance(self.grad_sync.bucket_mb, float):
-                logs["stream/bucket_mb"] = self.grad_sync.bucket_mb    # the tuned cap, under "auto"
+            if self.grad_sync is not None and self.grad_sync.tuning is None:
+                logs["stream/bucket_mb"] = self.grad_sync.cap_mb    # the tuned cap, under "auto"
             exposed = self.save_times["exposed_s"]
             if exposed > self._save_exposed_logged:   # the training thread's time in saves since the last log
                 logs["stream/save_exposed_ms"] = round(1000 * (exposed - self._save_exposed_logged), 3)

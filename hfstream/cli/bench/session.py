@@ -280,7 +280,7 @@ class _Session:
             self.sync.wait_for_params()
 
     def result(self) -> dict:
-        tuned = self.sync.bucket_mb if self.sync is not None and self.bucket_mb == "auto" else self.bucket_mb
+        tuned = self.sync.cap_mb if self.sync is not None and self.bucket_mb == "auto" else self.bucket_mb
         tuning = getattr(self.sync, "tuning_result", None)
         return {"kind": self.kind, "bucket_mb": tuned, "tuning": dataclasses.asdict(tuning) if tuning else None,
                 "buckets": len(self.sync.buckets) if self.sync is not None else None, "records": self.records,
