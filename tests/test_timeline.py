@@ -13,7 +13,7 @@ from hfstream.cli.plot import plot_breakdown, plot_loss, plot_timeline
 from hfstream.gradsync.stats import StepTimes
 from hfstream.report.fields import FIELDS, KEYS, MEASURED, SHARDED_ONLY
 from hfstream.report.format import format_report
-from hfstream.report.timeline import StepRecord, StepTimeline, summarize
+from hfstream.report.timeline import StepRecord, StepTimeline, StreamReport, summarize
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 
@@ -103,6 +103,27 @@ def test_two_rank_report_has_comm(tmp_path, run_distributed):
             assert 0.0 <= rec["overlap"] <= 1.0
             parts = sum(rec[k] for k in ("data_wait_ms", "forward_ms", "backward_ms", "exposed_comm_ms", "optimizer_ms"))
             assert 0.6 * rec["step_ms"] <= parts <= rec["step_ms"] * 1.001 + 0.05
+
+
+def _auto_report(rank, world_size, tmp):
+    trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
+                            args=train_args(StreamTrainingArguments, tmp, max_steps=10, grad_sync="overlap",
+                                            grad_bucket_mb="auto"))
+    trainer.train()
+    return dict(trainer.stream_report()), [r.as_dict() for r in trainer._timeline.records], trainer.grad_sync.tuning_result.steps
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_run_with_auto_buckets_leaves_its_tuning_steps_out_of_the_mean(tmp_path, run_distributed):
+    runs = run_distributed(_auto_report, 2, str(tmp_path), init_process_group=False, timeout=240)
+    for rank, (report, records, tuned) in enumerate(runs):
+        assert 1 < tuned < 10
+        mine = report["per_rank"][rank]
+        after = [r["step_ms"] for r in records if r["step"] > tuned]   # steps 1..tuned tried caps
+        assert mine["steps"] == len(after) and mine["step_ms"] == pytest.approx(sum(after) / len(after))
+        assert mine["tuning_steps"] == tuned - 1 and not mine["tuning_in_mean"]   # the first step is the warm-up
+        assert report["mean"]["steps"] == len(after) and report["mean"]["tuning_steps"] == tuned - 1
+        assert f"tuning: {tuned - 1} steps while grad_bucket_mb='auto' tried caps" in str(StreamReport(report))
 
 
 def _host_clock(monkeypatch, reads_ms):

@@ -21,11 +21,12 @@ from hfstream.report.timeline import StepTimeline, combine_ranks, summarize
 READS_MS = [0.0, 0.0, 2.0, 2.0, 5.0, 9.0, 10.0, 13.0, 17.0, 20.0, 24.0]
 
 
-def _step(monkeypatch, tl, step=1, offset_ms=0.0, **gathers):
+def _step(monkeypatch, tl, step=1, offset_ms=0.0, tuning=False, scale=1.0, **gathers):
+    """One step of the script above, ``scale`` times as long, from ``offset_ms`` on."""
     clock = iter(READS_MS)
-    monkeypatch.setattr(timeline.time, "perf_counter", lambda: (next(clock) + offset_ms) * 1e-3)
-    at = lambda ms: (ms + offset_ms) * 1e-3  # noqa: E731
-    tl.begin_step(step)
+    monkeypatch.setattr(timeline.time, "perf_counter", lambda: (scale * next(clock) + offset_ms) * 1e-3)
+    at = lambda ms: (scale * ms + offset_ms) * 1e-3  # noqa: E731
+    tl.begin_step(step, tuning=tuning) if tuning else tl.begin_step(step)
     tl.data_ready()
     for _ in range(2):
         tl.forward_start()
@@ -86,3 +87,39 @@ def test_summaries_skip_the_warmup_steps_and_average_ranks(monkeypatch):
     assert both["efficiency"] == pytest.approx(both["ideal_ms"] / both["step_ms"])
     assert "all_gather_busy_ms" not in both
     assert combine_ranks([{}, {}]) == {}
+
+
+def test_tuning_steps_stay_out_of_the_mean_and_are_reported_apart(monkeypatch):
+    # Steps 1-4 ran while grad_bucket_mb="auto" tried caps (48 ms each), 5-7 on the cap it kept (24 ms);
+    # step 1 is the warm-up, in neither.
+    from hfstream.report.format import format_report
+
+    tl = StepTimeline()
+    for step in range(1, 8):
+        _step(monkeypatch, tl, step=step, offset_ms=100.0 * step, tuning=step <= 4, scale=2.0 if step <= 4 else 1.0)
+    one = tl.summary()                       # warm-up: step 1
+    assert one["steps"] == 3 and one["step_ms"] == pytest.approx(24.0)
+    assert one["efficiency"] == pytest.approx(18.0 / 24.0)
+    assert (one["tuning_steps"], one["tuning_step_ms"], one["tuning_in_mean"]) == (3.0, pytest.approx(48.0), False)
+    both = combine_ranks([one, one])
+    assert both["steps"] == 3 and both["tuning_steps"] == 3 and both["tuning_step_ms"] == pytest.approx(48.0)
+    text = format_report({"mean": both, "per_rank": [one, one]})
+    assert text.splitlines()[:2] == [
+        "hfstream step report (mean of 3 steps after warm-up, 2 ranks)",
+        "  tuning: 3 steps while grad_bucket_mb='auto' tried caps, 48.00 ms a step, not in the mean"]
+
+
+def test_a_run_that_only_tuned_reports_the_tuning_steps_as_its_mean_and_says_so(monkeypatch):
+    from hfstream.report.format import format_report
+
+    tl = StepTimeline()
+    for step in range(1, 4):
+        _step(monkeypatch, tl, step=step, offset_ms=100.0 * step, tuning=True)
+    only = tl.summary()
+    assert only["steps"] == 2 and only["tuning_steps"] == 2 and only["tuning_in_mean"] is True
+    assert "2 steps while grad_bucket_mb='auto' tried caps, 24.00 ms a step, and no step after them: the mean is " \
+           "theirs" in format_report(only)
+    plain = StepTimeline()                   # no tuning: the report's keys as ever
+    _step(monkeypatch, plain, step=1)
+    assert not any(key.startswith("tuning") for key in plain.summary(warmup=0))
+    assert "tuning" not in format_report(plain.summary(warmup=0))

@@ -78,6 +78,11 @@ def format_report(report: dict[str, Any], title: str = "hfstream step report") -
     mean = report.get("mean", report)
     lines = [f"{title} (mean of {int(mean.get('steps', 0))} steps after warm-up"
              + (f", {len(per_rank)} rank{'s' if len(per_rank) != 1 else ''})" if per_rank else ")")]
+    if mean.get("tuning_steps"):   # grad_bucket_mb="auto" trying caps: apart from the mean (timeline.summarize)
+        lines.append(f"  tuning: {int(mean['tuning_steps'])} steps while grad_bucket_mb='auto' tried caps, "
+                     f"{_cell(mean.get('tuning_step_ms'), 'ms')} a step, "
+                     + ("and no step after them: the mean is theirs" if mean.get("tuning_in_mean")
+                        else "not in the mean"))
     rows = [mean, *(per_rank or ())]
     widths = [-LABEL_WIDTH] + [CELL_WIDTH] * len(rows)
     if per_rank:

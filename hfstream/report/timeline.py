@@ -15,6 +15,10 @@ There communication is two parts, each busy and exposed: the reduce-scatters in 
 in ``finish()``) and the previous step's all-gathers (waited by the forward's pre-hooks: that
 wait is taken out of forward and counted as exposed communication).
 
+Steps that ran while ``grad_bucket_mb="auto"`` was still trying caps (tuning steps: each on a
+candidate cap, not the one kept) stay out of the mean; the report gives their count and mean step
+apart (``tuning_steps``, ``tuning_step_ms``), so a short A/B comparison is not blurred by them.
+
 The report's quantities, their names, units and modes are one table, `hfstream.report.fields`;
 the printed table is `hfstream.report.format`. Times come from `time.perf_counter` on CPU and
 from timing events on the compute stream of an accelerator, read only once they have completed
@@ -30,7 +34,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable
+from typing import Any, Collection, Iterable
 
 import torch
 
@@ -119,7 +123,7 @@ def _nanmean(values: Iterable[float]) -> float:
     return sum(vals) / len(vals) if vals else math.nan
 
 
-def _mean_breakdown(rows: list[dict[str, float]], steps: float) -> dict[str, float]:
+def _mean_breakdown(rows: list[dict[str, float]], steps: float) -> dict[str, Any]:
     """Average the measured fields of ``rows``; the derived ones (ceiling, efficiency, overlap) are
     recomputed from the averaged times, not averaged themselves, so ``ideal_ms / step_ms ==
     efficiency`` holds."""
@@ -133,20 +137,38 @@ def _mean_breakdown(rows: list[dict[str, float]], steps: float) -> dict[str, flo
     return out
 
 
-def summarize(records: list[StepRecord], warmup: int = 1) -> dict[str, float]:
-    """Average the breakdown over steps after ``warmup`` (all steps if there are no more)."""
-    kept = records[warmup:] if len(records) > warmup else records
-    if not kept:
+def summarize(records: list[StepRecord], warmup: int = 1, tuning: Collection[int] = ()) -> dict[str, Any]:
+    """Average the breakdown over steps after ``warmup`` (all steps if there are no more).
+
+    Args:
+        tuning: the steps that ran while ``grad_bucket_mb="auto"`` was tuning. They stay out of
+            the mean; ``tuning_steps`` and ``tuning_step_ms`` give their count and mean step. Where
+            every step was one, the mean is theirs and says so (``tuning_in_mean``).
+    """
+    after = records[warmup:] if len(records) > warmup else records
+    if not after:
         return {}
-    return _mean_breakdown([{key: getattr(r, key) for key in MEASURED} for r in kept], float(len(kept)))
+    kept = [r for r in after if r.step not in tuning]
+    tuned = [r for r in after if r.step in tuning]
+    out = _mean_breakdown([{key: getattr(r, key) for key in MEASURED} for r in kept or tuned],
+                          float(len(kept or tuned)))
+    if tuned:
+        out.update(tuning_steps=float(len(tuned)), tuning_step_ms=_nanmean(r.step_ms for r in tuned),
+                   tuning_in_mean=not kept)
+    return out
 
 
-def combine_ranks(summaries: list[dict[str, float]]) -> dict[str, float]:
+def combine_ranks(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One breakdown for several ranks' `summarize` results (empty ones skipped)."""
     rows = [s for s in summaries if s]
     if not rows:
         return {}
-    return _mean_breakdown(rows, _nanmean(r["steps"] for r in rows))
+    out = _mean_breakdown(rows, _nanmean(r["steps"] for r in rows))
+    if any("tuning_steps" in r for r in rows):   # every rank tunes alike (the choice is agreed)
+        out.update(tuning_steps=_nanmean(r.get("tuning_steps", 0.0) for r in rows),
+                   tuning_step_ms=_nanmean(r.get("tuning_step_ms", math.nan) for r in rows),
+                   tuning_in_mean=any(r.get("tuning_in_mean", False) for r in rows))
+    return out
 
 
 class _Clock:
@@ -194,6 +216,7 @@ class _PendingStep:
     comm_spans: list = field(default_factory=list)   # (name, start, end) host seconds
     exposed_spans: list = field(default_factory=list)
     comm_later: list = field(default_factory=list)   # `GradSync.stats_deferred()` results, read at resolve()
+    tuning: bool = False                              # ran while grad_bucket_mb="auto" was trying caps
     all_gather_busy_ms: float = math.nan     # grad_sync="sharded": the previous step's all-gathers
     all_gather_exposed_ms: float = math.nan
 
@@ -210,10 +233,11 @@ class Span(tuple):
 class StepTimeline:
     """Collects the marks of each optimizer step and turns them into `StepRecord`s.
 
-    The trainer calls, in order: `begin_step` (before fetching data), `data_ready`, then per
-    micro-step `forward_start`, `forward_end`, `backward_end`, then `optimizer_start` and
-    `end_step`. Records and spans are kept in rings (``capacity`` steps, ``span_capacity``
-    spans): memory stays bounded however long the run.
+    The trainer calls, in order: `begin_step` (before fetching data; ``tuning=True`` for a step
+    that runs while ``grad_bucket_mb="auto"`` tries caps), `data_ready`, then per micro-step
+    `forward_start`, `forward_end`, `backward_end`, then `optimizer_start` and `end_step`.
+    Records and spans are kept in rings (``capacity`` steps, ``span_capacity`` spans): memory
+    stays bounded however long the run.
 
     Spans ``(rank, lane, name, start, end)`` in seconds, grouped per step, draw the timeline
     figure: lane ``data`` (waiting for a batch), ``compute`` (forward, backward, exposed comm,
@@ -242,6 +266,7 @@ class StepTimeline:
         self.records: deque[StepRecord] = deque(maxlen=capacity)
         self.spans: deque[tuple[int, list[Span]]] = deque(maxlen=span_capacity)
         self._pending: list[_PendingStep] = []
+        self.tuning_steps: set[int] = set()   # steps begun with tuning=True (at most `max_auto_steps` per GradSync)
         self._cur: _PendingStep | None = None
         self._data_t0 = 0.0
         self._fwd: Any = None
@@ -255,7 +280,7 @@ class StepTimeline:
         self._cpu = _ThreadCPU()   # the training thread's CPU clock: the one that calls begin_step
 
     # -- marks, in step order ------------------------------------------------------------
-    def begin_step(self, step: int) -> None:
+    def begin_step(self, step: int, tuning: bool = False) -> None:
         # The step's mark first, then the data wait's start: the wait lies inside the step even
         # when the thread is preempted between the two (under load it was, by 0.3 ms, and the
         # step's parts summed past the step).
@@ -264,7 +289,7 @@ class StepTimeline:
         if self._cpu.ident != threading.get_ident():
             self._cpu = _ThreadCPU()
         self._host_mark = (self._data_t0, self._cpu.seconds())
-        self._cur = _PendingStep(step=step, host_start=self._data_t0)
+        self._cur = _PendingStep(step=step, host_start=self._data_t0, tuning=tuning)
         self._cur.start = start
 
     def data_ready(self) -> None:
@@ -340,6 +365,8 @@ class StepTimeline:
         if cur is None or not cur.micro:
             return
         cur.end = self._clock.mark()
+        if cur.tuning:
+            self.tuning_steps.add(cur.step)
         self._pending.append(cur)
         if not self._clock.device_events or len(self._pending) > self._MAX_PENDING:
             self.resolve()
@@ -440,15 +467,16 @@ class StepTimeline:
         self.resolve(wait=wait)
         return [span for _, spans in list(self.spans)[-steps:] for span in spans]
 
-    def summary(self, warmup: int = 1, since_step: int | None = None, wait: bool = True) -> dict[str, float]:
-        """The mean breakdown of the resolved steps (after ``warmup``, or after step ``since_step``).
+    def summary(self, warmup: int = 1, since_step: int | None = None, wait: bool = True) -> dict[str, Any]:
+        """The mean breakdown of the resolved steps (after ``warmup``, or after step ``since_step``),
+        tuning steps apart (`summarize`).
 
         ``wait=False`` leaves out the steps the device has not finished (they come in a later
         summary): the Trainer's periodic log never drains the device's queue.
         """
         self.resolve(wait=wait)
         recs = [r for r in self.records if since_step is None or r.step > since_step]
-        return summarize(recs, warmup=warmup if since_step is None else 0)
+        return summarize(recs, warmup=warmup if since_step is None else 0, tuning=self.tuning_steps)
 
 
 class _ThreadCPU:
