@@ -213,8 +213,8 @@ GOOD_CONFIG = '{"grad_sync": "overlap", "bucket_mb": 0.125, "prefetch_depth": 2}
 
 
 @pytest.mark.parametrize("schedule, words", [
-    ("return forward_ms + backward_ms + sum(times) + optimizer_ms", "That is the serial step"),
-    ("return forward_ms + max(backward_ms, sum(times)) + optimizer_ms", "That is the ceiling"),
+    ("return forward_ms + backward_ms + sum(times) + optimizer_ms", "that is the serial step"),
+    ("return forward_ms + max(backward_ms, sum(times)) + optimizer_ms", "that is the ceiling"),
     ("end = max([r * backward_ms + t for t, (_, r) in zip(times, buckets)] + [0.0])\n"
      "return forward_ms + max(backward_ms, end) + optimizer_ms", "the link reduces one bucket at a time"),
 ], ids=["serial", "ceiling", "no-queue-on-the-link"])

@@ -603,6 +603,113 @@ wrong("04.train_parity", "divided_twice", _changed(TRAIN, "        loss.backward
       ["divided by the world size twice"], titles=DRAWN)
 
 
+# =============================================================================================== 09.scaling
+SCALING = """
+def ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us):
+    if world_size <= 1:
+        return 0.0
+    n = world_size
+    return 2 * (n - 1) / n * nbytes / (link_gbs * 1e9) * 1e3 + 2 * (n - 1) * latency_us * 1e-3
+
+
+def predict_step(world_size, forward_ms, backward_ms, optimizer_ms, bucket_bytes, link_gbs, latency_us):
+    busy = sum(ring_allreduce_ms(b, world_size, link_gbs, latency_us) for b in bucket_bytes)
+    return {"comm_busy_ms": busy,
+            "step_serial_ms": forward_ms + backward_ms + busy + optimizer_ms,
+            "ideal_ms": forward_ms + max(backward_ms, busy) + optimizer_ms}
+"""
+RIGHT["09.scaling"] = (SCALING, None)
+# 2N latencies instead of 2(N-1): the old check gave the bare numbers ("returned 1.0585, the planner says 1.0485").
+wrong("09.scaling", "latency_two_n", _changed(SCALING, "+ 2 * (n - 1) * latency_us * 1e-3", "+ 2 * n * latency_us * 1e-3"),
+      ["2(N-1) steps, not 2N"])
+# An integer division in the ring factor: right at N = 2, the old check's other sizes gave the bare numbers.
+wrong("09.scaling", "integer_ring_factor", _changed(SCALING, "return 2 * (n - 1) / n * nbytes", "return 2 * (n - 1) // n * nbytes"),
+      ["integer division", "cross the link in a reduce-scatter and again"])
+# The planner's default link written into predict_step: the old check only ever passed 25 GB/s and 5 us.
+wrong("09.scaling", "default_link_hard_coded", _changed(
+    SCALING, "busy = sum(ring_allreduce_ms(b, world_size, link_gbs, latency_us) for b in bucket_bytes)",
+    "busy = sum(ring_allreduce_ms(b, world_size, 25.0, 5.0) for b in bucket_bytes)"), ["default link", "passed in"])
+
+# =============================================================================================== 09.crossover
+CROSSOVER = SCALING + """
+
+def crossover_world_size(backward_ms, bucket_bytes, link_gbs, latency_us, max_world_size=2**40):
+    def busy(n):
+        return sum(ring_allreduce_ms(b, n, link_gbs, latency_us) for b in bucket_bytes)
+
+    if busy(max_world_size) <= backward_ms:
+        return None
+    lo, hi = 1, max_world_size
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if busy(mid) <= backward_ms else (lo, mid)
+    return hi
+
+
+def min_link_gbs(world_size, backward_ms, bucket_bytes, latency_us):
+    n = world_size
+    if n <= 1:
+        return 0.0
+    left_ms = backward_ms - 2 * (n - 1) * latency_us * 1e-3 * len(bucket_bytes)
+    if left_ms <= 0:
+        return math.inf
+    return 2 * (n - 1) / n * sum(bucket_bytes) / (left_ms / 1e3) / 1e9
+"""
+RIGHT["09.crossover"] = (CROSSOVER, None)
+# The bisection started at N = 2 ("one device has nothing to reduce"): when N = 2 already exceeds, it answers 3.
+# The old check's crossovers were at 5, 687 and 1694.
+wrong("09.crossover", "search_from_two", _changed(CROSSOVER, "    lo, hi = 1, max_world_size", "    lo, hi = 2, max_world_size"),
+      ["never tried N = 2"])
+# Doubling to find an upper end, then bisecting: the doubling overshoots max_world_size and gives up. The old
+# check's max_world_size was 2**40, 8 or 4, powers of two the doubling lands on.
+wrong("09.crossover", "doubling_past_the_limit", _changed(CROSSOVER, """    if busy(max_world_size) <= backward_ms:
+        return None
+    lo, hi = 1, max_world_size""", """    hi = 1
+    while busy(hi) <= backward_ms:
+        hi *= 2
+        if hi > max_world_size:
+            return None
+    lo = hi // 2"""), ["at N = max_world_size itself"])
+# The latency paid once for all the buckets: the old check's 8b model had buckets enough that the numbers said
+# only "it should just fit".
+wrong("09.crossover", "latency_paid_once", _changed(
+    CROSSOVER, "    left_ms = backward_ms - 2 * (n - 1) * latency_us * 1e-3 * len(bucket_bytes)",
+    "    left_ms = backward_ms - 2 * (n - 1) * latency_us * 1e-3"), ["paid the latency terms once"])
+
+# =============================================================================================== 09.final_challenge
+SCHEDULE = SCALING + """
+
+def overlap_step_ms(buckets, forward_ms, backward_ms, optimizer_ms, world_size, link_gbs, latency_us):
+    end = 0.0
+    for nbytes, ready in buckets:
+        end = max(ready * backward_ms, end) + ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us)
+    return forward_ms + max(backward_ms, end) + optimizer_ms
+
+
+def final_run_config():
+    return {"grad_sync": "overlap", "bucket_mb": 0.125, "prefetch_depth": 2}
+"""
+SCHEDULE_CASES = ["your overlapped step", "the configuration is one"]      # not the measured 2-rank run
+RIGHT["09.final_challenge"] = (SCHEDULE, SCHEDULE_CASES)
+LOOP = """    end = 0.0
+    for nbytes, ready in buckets:
+        end = max(ready * backward_ms, end) + ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us)"""
+# The link started with the first bucket and never idle: right whenever the link is the bottleneck, as on every
+# old case but one.
+wrong("09.final_challenge", "link_never_idles", _changed(SCHEDULE, LOOP, """    end = buckets[0][1] * backward_ms
+    for nbytes, ready in buckets:
+        end += ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us)"""), ["link waits for it"],
+      titles=SCHEDULE_CASES)
+# The last bucket timed alone, from its ready time.
+wrong("09.final_challenge", "last_bucket_alone", _changed(SCHEDULE, LOOP, """    nbytes, ready = buckets[-1]
+    end = ready * backward_ms + ring_allreduce_ms(nbytes, world_size, link_gbs, latency_us)"""),
+      ["last bucket alone"], titles=SCHEDULE_CASES)
+# The ready fraction taken of forward + backward (the step's clock): every bucket starts late by r x forward.
+wrong("09.final_challenge", "ready_of_the_whole_step", _changed(
+    SCHEDULE, "end = max(ready * backward_ms, end)", "end = max(ready * (forward_ms + backward_ms), end)"),
+      ["ready fraction is of backward alone"], titles=SCHEDULE_CASES)
+
+
 @pytest.fixture
 def quiet_machine(monkeypatch):
     """00.predict's measured cases on a canned measurement: every step exactly as the schedules say."""

@@ -115,6 +115,16 @@ def after_colon(message: str) -> str:
     return re.sub(r"\d+(\.\d+)?", "#", why.replace("twice", "2 times"))[:80]
 
 
+def common_reason(candidates: list[list[str]]) -> str | None:
+    """The first reason (in the order of the first failing case's list) that every failing case offers: one mistake
+    that explains every failure, rather than the first that fits one case (two mistakes can give the same number on
+    one case, never on all of them)."""
+    for why in (candidates[0] if candidates else []):
+        if all(why in c for c in candidates[1:]):
+            return why
+    return None
+
+
 def simpler_numbers(values: tuple, keep=lambda values: True):
     """Smaller tuples of numbers: one value at a time replaced by 0, 1, 2, 5, 10 or itself rounded (those below
     it), first positions first; ``keep`` filters out those that leave the space (a part that must be > 0)."""

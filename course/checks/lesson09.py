@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import statistics
 import time
 
+from course.checks.drawn import after_colon, common_reason, falsify
 from course.grading import Exercise, Wrong
 
 # =============================================================================================
@@ -324,8 +326,9 @@ def _ring_variants(nbytes: float, n: int, gbs: float, lat_us: float) -> list[tup
     want = ring * nbytes / bw * 1e3 + lat
     return [
         ("return milliseconds, not seconds", want / 1e3),
-        ("you priced every byte once, bytes / bandwidth: in a ring all-reduce a device's bytes cross the link in "
-         "a reduce-scatter and again in an all-gather", nbytes / bw * 1e3 + lat),
+        ("you priced every byte once, bytes / bandwidth (an integer division, 2 * (N - 1) // N, which is 1 for every "
+         "N >= 2, does that too): in a ring all-reduce a device's bytes cross the link in a reduce-scatter and again "
+         "in an all-gather", nbytes / bw * 1e3 + lat),
         ("you priced 2 x bytes at every N: that is only the limit for large N; with N = 2 each device sends "
          "half its buffer in the reduce-scatter and half in the all-gather", 2 * nbytes / bw * 1e3 + lat),
         ("that is the bytes of one half of the ring (a reduce-scatter alone); an all-reduce runs an all-gather "
@@ -335,6 +338,8 @@ def _ring_variants(nbytes: float, n: int, gbs: float, lat_us: float) -> list[tup
          ring * nbytes / bw * 1e3 + lat_us * 1e-3),
         ("you paid the latency for the steps of one half of the ring only; the all-gather's steps pay it too",
          ring * nbytes / bw * 1e3 + (n - 1) * lat_us * 1e-3),
+        ("every step of the ring pays the latency once, and a ring of N devices has 2(N-1) steps, not 2N",
+         ring * nbytes / bw * 1e3 + 2 * n * lat_us * 1e-3),
         ("latency_us is in microseconds: x 1e-3 for milliseconds", ring * nbytes / bw * 1e3 + lat * 1e3),
         ("latency_us is in microseconds: x 1e-3 for milliseconds (you multiplied by 1e-6: that is seconds)",
          ring * nbytes / bw * 1e3 + lat / 1e3),
@@ -355,7 +360,7 @@ def diagnose_ring(got: float, nbytes: float, n: int, gbs: float, lat_us: float) 
     if n == 1:
         return f"with world_size 1 there is nobody to reduce with: return 0 (you returned {got:.4g})"
     for hint, value in _ring_variants(nbytes, n, gbs, lat_us):
-        if math.isclose(got, value, rel_tol=1e-6):
+        if math.isclose(got, value, rel_tol=1e-6) and not math.isclose(value, want, rel_tol=1e-6):
             return hint
     return (f"ring_allreduce_ms({nbytes:.4g} bytes, N={n}, {gbs:g} GB/s, {lat_us:g} us) returned {got:.6g}, "
             f"the planner says {want:.6g}")
@@ -376,6 +381,9 @@ RING_CASE = "one ring all-reduce, as the planner prices it"
                    "per ring step; mind the units (GB/s, microseconds, milliseconds); one device sends nothing",
               reveal=REVEAL_RING)
 def _(learner):
+    """Property: ring_allreduce_ms is the planner's price of one ring all-reduce, on the lesson's sizes and on drawn
+    ones: 1 kB to 10 GB, world sizes that are not powers of two (3, 5, 7, 12, 100, 4097), links of 1 to 400 GB/s,
+    latencies of 0 to 50 us."""
     cases = [(25 * 2**20, n, 25.0, 5.0) for n in (1, 2, 8, 1024)] + [(1e9, 8, 50.0, 0.0), (100 * 2**20, 64, 12.5, 20.0)]
     for nbytes, n, gbs, lat in cases:
         got = learner.ring_allreduce_ms(nbytes, n, gbs, lat)
@@ -384,7 +392,38 @@ def _(learner):
         hint = diagnose_ring(float(got), nbytes, n, gbs, lat)
         if hint:
             raise Wrong(hint, reveal=REVEAL_RING)
-    return "6 sizes and world sizes, as hfstream.plan.allreduce_s"
+    drawn = _draw_rings()
+
+    def prop(case):
+        nbytes, n, gbs, lat = case
+        got = learner.ring_allreduce_ms(nbytes, n, gbs, lat)
+        hint = diagnose_ring(float(got), nbytes, n, gbs, lat)
+        return None if hint is None else (f"ring_allreduce_ms({nbytes:.4g} bytes, N={n}, {gbs:g} GB/s, {lat:g} us) "
+                                          f"returned {float(got):.6g}: {hint}")
+
+    def smaller(case):
+        nbytes, n, gbs, lat = case
+        for m in (2, 3, 4):
+            if m < n:
+                yield (nbytes, m, gbs, lat)
+        for nb in (1e6, 1e9):
+            if nb < nbytes:
+                yield (nb, n, gbs, lat)
+        if gbs != 1.0:
+            yield (nbytes, n, 1.0, lat)
+
+    found = falsify(drawn, prop, smaller=smaller, kind=after_colon)
+    if found is not None:
+        raise Wrong(str(found), reveal=REVEAL_RING)
+    return f"6 sizes and world sizes and {len(drawn)} drawn, as hfstream.plan.allreduce_s"
+
+
+def _draw_rings(seed: int = 91, count: int = 12) -> list[tuple]:
+    """``(bytes, N, GB/s, latency us)``: whole bytes from 1 kB to 10 GB, N not a power of two in most cases."""
+    rng = random.Random(seed)
+    worlds = (3, 5, 6, 7, 12, 100, 4097, 2, 9, 1000)
+    return [(float(rng.randint(10**3, 10**10)), worlds[k % len(worlds)], float(rng.choice((1, 12.5, 25, 50, 100, 400))),
+             float(rng.choice((0, 1, 5, 20, 50)))) for k in range(count)]
 
 
 @scaling.case("comm busy, serial step and ceiling of llama-8b for N = 1 .. 1024, as the planner",
@@ -392,6 +431,9 @@ def _(learner):
                    "for all of them after backward; the ceiling is lesson 00's", reveal=REVEAL_STEP,
               after=RING_CASE)
 def _(learner):
+    """Property: predict_step gives the planner's comm busy (each bucket its own ring all-reduce, on the link passed
+    in), serial step and ceiling, for llama-8b on 1 to 1024 devices and for drawn steps on other links (3 to 400
+    GB/s, 0 to 30 us), comm busy below and above backward."""
     from hfstream.plan import allreduce_s, predict_row
 
     shape, cfg, buckets = _plan_case()
@@ -427,9 +469,52 @@ def _(learner):
                 raise Wrong("that is the serial step: the ceiling hides communication behind backward",
                             reveal=REVEAL_STEP)
             raise AssertionError(f"at N={n}: ideal_ms {g['ideal_ms']:.6g}, the planner says {row['ideal_ms']:.6g}")
+    drawn = _draw_steps()
+
+    def prop(case):
+        n, f, b, o, sizes, gbs, lat = case
+        got = learner.predict_step(n, f, b, o, list(sizes), gbs, lat)
+        g = {k: float(got[k]) for k in ("comm_busy_ms", "step_serial_ms", "ideal_ms")}
+        busy = sum(allreduce_s(x, n, gbs, lat) * 1e3 for x in sizes)
+        shown = (f"predict_step(N={n}, forward {f:g}, backward {b:g}, optimizer {o:g}, {len(sizes)} buckets, {gbs:g} "
+                 f"GB/s, {lat:g} us) gave comm busy {g['comm_busy_ms']:.4g}, serial {g['step_serial_ms']:.4g}, ideal "
+                 f"{g['ideal_ms']:.4g}")
+        if not math.isclose(g["comm_busy_ms"], busy, rel_tol=1e-6, abs_tol=1e-9):
+            default = sum(allreduce_s(x, n, 25.0, 5.0) * 1e3 for x in sizes)
+            if math.isclose(g["comm_busy_ms"], default, rel_tol=1e-6):
+                return (f"{shown}: that comm busy is what the planner's default link (25 GB/s, 5 us) takes: price the "
+                        f"buckets on the link_gbs and latency_us passed in")
+            return f"{shown}: comm busy is the sum over the buckets of one ring all-reduce each, on this link"
+        if not math.isclose(g["step_serial_ms"], f + b + busy + o, rel_tol=1e-6):
+            return f"{shown}: the serial step runs every part one after another"
+        if not math.isclose(g["ideal_ms"], f + max(b, busy) + o, rel_tol=1e-6):
+            if math.isclose(g["ideal_ms"], max(f + b, busy) + o, rel_tol=1e-6):
+                return (f"{shown}: that ceiling lets communication run beside forward; no gradient exists before "
+                        f"backward starts, so comm overlaps backward only")
+            if math.isclose(g["ideal_ms"], f + b + o, rel_tol=1e-6):
+                return f"{shown}: comm busy exceeds backward here: the link, not compute, sets the ceiling"
+            return f"{shown}: the ceiling is lesson 00's, with this comm busy"
+        return None
+
+    found = falsify(drawn, prop, kind=after_colon, smaller=lambda c: ((m, *c[1:]) for m in (2, 3) if m < c[0]))
+    if found is not None:
+        raise Wrong(str(found), reveal=REVEAL_STEP)
     row = predict_row(shape, cfg, 1024, buckets)
     return (f"llama-8b at N=1024: comm busy {row['comm_busy_ms']:.0f} ms > backward {row['backward_ms']:.0f} ms, "
-            f"ceiling {row['ideal_ms']:.0f} ms")
+            f"ceiling {row['ideal_ms']:.0f} ms; {len(drawn)} drawn steps on other links")
+
+
+def _draw_steps(seed: int = 92, count: int = 8) -> list[tuple]:
+    """``(N, forward, backward, optimizer, bucket bytes, GB/s, latency us)``: links slower and faster than the
+    default, comm busy below and above backward."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        sizes = tuple(float(rng.randint(10**5, 10**9)) for _ in range(rng.randint(1, 6)))
+        out.append((rng.choice((2, 3, 8, 24, 512)), float(rng.randint(5, 50)), float(rng.randint(20, 200)),
+                    float(rng.randint(1, 20)), sizes, float(rng.choice((3.0, 12.5, 100.0, 400.0))),
+                    float(rng.choice((0.0, 2.0, 10.0, 30.0)))))
+    return out
 
 
 # =============================================================================================
@@ -460,6 +545,9 @@ REVEAL_MIN_LINK = ("B = 2(N-1)/N x total bytes / (backward - 2(N-1) x latency x 
                      "without walking every N; return None when even the largest N stays within backward",
                 reveal=REVEAL_CROSSOVER, timeout=30.0)
 def _(learner):
+    """Property: crossover_world_size is the first N <= max_world_size whose comm busy exceeds backward, or None,
+    for the planner's four scenarios, a comm busy exactly equal to backward, and drawn links whose crossover is at
+    N = 2, exactly at max_world_size, nowhere, or between."""
     from hfstream.plan import overlap_limit, predict_row
 
     answers = []
@@ -488,7 +576,71 @@ def _(learner):
                         f"monotonically in N, so bisect over every integer", reveal=REVEAL_CROSSOVER)
         raise AssertionError(f"{label}: crossover_world_size returned {got}, the planner says {want}")
     _crossover_at_the_boundary(learner)
-    return "; ".join(answers) + "; comm busy equal to backward still hidden"
+    drawn = _draw_crossovers()
+
+    def prop(case):
+        bwd, sizes, gbs, lat, top = case
+        want = _first_over(bwd, sizes, gbs, lat, top)
+        got = learner.crossover_world_size(bwd, list(sizes), gbs, lat, max_world_size=top)
+        if got == want:
+            return None
+        shown = (f"crossover_world_size(backward {bwd:.4g} ms, {len(sizes)} buckets, {gbs:g} GB/s, {lat:g} us, "
+                 f"max_world_size={top}) returned {got}")
+        if want == 2 and got is not None and got > 2:
+            return (f"{shown}: comm busy already exceeds backward at N = 2 here, and your search never tried N = 2 "
+                    f"(busy at N = 1 is 0, so the search can start from 1)")
+        if want == top and got is None:
+            return (f"{shown}: comm busy first exceeds backward at N = max_world_size itself, which your search left "
+                    f"out (range(a, b) stops before b)")
+        if got == (want or 0) - 1:
+            return f"{shown}: that is the last N where overlap is still complete; the question is the first N past it"
+        return f"{shown}: search every N from 1 to max_world_size for the first whose comm busy exceeds backward"
+
+    found = falsify(drawn, prop, kind=after_colon)
+    if found is not None:
+        raise Wrong(str(found), reveal=REVEAL_CROSSOVER)
+    return "; ".join(answers) + f"; comm busy equal to backward still hidden; {len(drawn)} drawn"
+
+
+def _busy_ms(sizes, n, gbs, lat) -> float:
+    from hfstream.plan import allreduce_s
+
+    return sum(allreduce_s(x, n, gbs, lat) * 1e3 for x in sizes) if n > 1 else 0.0
+
+
+def _first_over(bwd, sizes, gbs, lat, top):
+    """The first N in 1..top whose comm busy exceeds backward (busy grows with N: bisect), or None."""
+    if _busy_ms(sizes, top, gbs, lat) <= bwd:
+        return None
+    lo, hi = 1, top
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if _busy_ms(sizes, mid, gbs, lat) <= bwd else (lo, mid)
+    return hi
+
+
+def _draw_crossovers(seed: int = 93, count: int = 8) -> list[tuple]:
+    """``(backward ms, bucket bytes, GB/s, latency us, max_world_size)``, in turn: a crossover at N = 2, one at
+    max_world_size exactly, none (no latency, a fast link), and one between."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        sizes = tuple(float(rng.randint(10**6, 10**9)) for _ in range(rng.randint(1, 4)))
+        gbs, lat = float(rng.choice((5, 25, 100))), float(rng.choice((1, 5, 20)))
+        kind = k % 4
+        if kind == 0:                                        # already past at N = 2
+            bwd, top = round(0.6 * _busy_ms(sizes, 2, gbs, lat), 3), 2 ** rng.randint(6, 20)
+        elif kind == 1:                                      # at max_world_size exactly
+            top = rng.randint(5, 3000)
+            bwd = (_busy_ms(sizes, top - 1, gbs, lat) + _busy_ms(sizes, top, gbs, lat)) / 2
+        elif kind == 2:                                      # never: no latency, busy stays below 2 x bytes / rate
+            lat, top = 0.0, 2 ** 30
+            bwd = 1.5 * 2 * sum(sizes) / (gbs * 1e9) * 1e3
+        else:
+            top = 2 ** 20
+            bwd = _busy_ms(sizes, rng.randint(3, 5000), gbs, lat) * 0.999
+        out.append((bwd, sizes, gbs, lat, top))
+    return out
 
 
 # One 1 GB bucket on a 1 GB/s link without latency: comm busy is 1000 ms at N=2 and 1500 ms at N=4,
@@ -515,6 +667,8 @@ def _crossover_at_the_boundary(learner) -> None:
                      "the latency terms do not depend on the bandwidth",
                 reveal=REVEAL_MIN_LINK)
 def _(learner):
+    """Property: min_link_gbs is the bandwidth at which comm busy just fits in backward (0 for one device, math.inf
+    when the latencies alone fill backward), for llama-8b and for drawn buckets, world sizes and latencies."""
     import dataclasses
 
     from hfstream.plan import predict_row
@@ -553,6 +707,11 @@ def _(learner):
             continue
         ring = 2 * (n - 1) / n
         no_lat = ring * sum(sizes) / (bwd / 1e3) / 1e9
+        once = ring * sum(sizes) / ((bwd - 2 * (n - 1) * cfg.latency_us * 1e-3) / 1e3) / 1e9
+        if math.isclose(got, once, rel_tol=1e-9):
+            raise Wrong(f"at N={n} you paid the latency terms once; every bucket is its own all-reduce and pays its "
+                        f"2(N-1) latencies, so the {len(sizes)} buckets pay them {len(sizes)} times ({lat_ms:.0f} ms of "
+                        f"backward)", reveal=REVEAL_MIN_LINK)
         if math.isclose(got, no_lat, rel_tol=1e-3):
             raise Wrong(f"at N={n} you left out the latency: {len(sizes)} buckets x 2(N-1) steps x "
                         f"{cfg.latency_us:g} us = {lat_ms:.0f} ms of backward are spent waiting, so the bandwidth "
@@ -573,7 +732,49 @@ def _(learner):
         raise Wrong(f"at N=2 with 2 buckets and 500 us per ring step the latency terms alone take 2 ms, all of a "
                     f"2 ms backward, and you returned {got if isinstance(got, str) else repr(got)}: no time is left for the bytes, so no bandwidth "
                     f"fits (math.inf)", reveal=REVEAL_MIN_LINK)
-    return "; ".join(details) + "; latency equal to backward: none"
+    drawn = _draw_links()
+
+    def prop(case):
+        n, bwd, sizes, lat = case
+        got = learner.min_link_gbs(n, bwd, list(sizes), lat)
+        shown = (f"min_link_gbs(N={n}, backward {bwd:g} ms, {len(sizes)} buckets of {sum(sizes) / len(sizes):.3g} bytes "
+                 f"on average, {lat:g} us) returned {got!r}")
+        lat_ms = 2 * (n - 1) * lat * 1e-3 * len(sizes)
+        if lat_ms >= bwd:
+            return None if got == math.inf else f"{shown}: the latency terms alone take {lat_ms:.3g} ms: math.inf"
+        if not isinstance(got, (int, float)) or not 0 < got < math.inf:
+            return f"{shown}: a finite bandwidth > 0 fits here"
+        fits = _busy_ms(sizes, n, got * 1.001, lat) <= bwd
+        short = _busy_ms(sizes, n, got * 0.999, lat) > bwd
+        if fits and short:
+            return None
+        ring = 2 * (n - 1) / n
+        once = ring * sum(sizes) / ((bwd - 2 * (n - 1) * lat * 1e-3) / 1e3) / 1e9
+        if math.isclose(got, once, rel_tol=1e-3):
+            return (f"{shown}: you paid the latency terms once; every bucket is its own all-reduce and pays its 2(N-1) "
+                    f"latencies, so {len(sizes)} buckets pay them {len(sizes)} times")
+        if math.isclose(got, ring * sum(sizes) / (bwd / 1e3) / 1e9, rel_tol=1e-3):
+            return f"{shown}: you left out the latency: the bandwidth term must fit in what the latencies leave"
+        return f"{shown}: with it comm busy is {_busy_ms(sizes, n, got, lat):.4g} ms for a {bwd:g} ms backward"
+
+    found = falsify(drawn, prop, kind=after_colon, smaller=lambda c: ((m, *c[1:]) for m in (2, 3) if m < c[0]))
+    if found is not None:
+        raise Wrong(str(found), reveal=REVEAL_MIN_LINK)
+    return "; ".join(details) + f"; latency equal to backward: none; {len(drawn)} drawn"
+
+
+def _draw_links(seed: int = 94, count: int = 8) -> list[tuple]:
+    """``(N, backward ms, bucket bytes, latency us)``: 1 to 12 buckets (the latency paid once per bucket matters),
+    N from 2 to 4096, latencies that leave time for the bytes and, once, latencies that do not."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        sizes = tuple(float(rng.randint(10**5, 10**8)) for _ in range(rng.randint(2, 12)))
+        n, lat = rng.choice((2, 3, 7, 64, 1000)), float(rng.choice((1, 5, 20)))
+        lat_ms = 2 * (n - 1) * lat * 1e-3 * len(sizes)
+        bwd = round(lat_ms * (0.5 if k == count - 1 else rng.uniform(1.5, 20)), 3)
+        out.append((n, bwd, sizes, lat))
+    return out
 
 
 # =============================================================================================
@@ -639,37 +840,99 @@ def _schedule_cases():
                      "and the link has finished the previous bucket; the optimizer waits for backward and for "
                      "the last reduction", reveal=REVEAL_SCHEDULE)
 def _(learner):
-    from hfstream.plan import allreduce_s
+    """Property: overlap_step_ms is the planner's overlapped step (each bucket reduced from the later of its ready
+    time and the previous bucket's end), for the planner's scenarios and for drawn buckets on links that idle
+    between buckets and links that outlast backward. A mistake is named only when it explains every case that
+    fails (two mistakes can give the same step on one case)."""
+    fixed = [(tuple(buckets), row["forward_ms"], row["backward_ms"], row["optimizer_ms"], n, cfg.link_gbs,
+              cfg.latency_us) for _, buckets, row, n, cfg in _schedule_cases()]
+    drawn = _draw_schedules()
+    failing = []
+    for case in fixed + drawn:
+        got, want, shown, reasons = _schedule_eval(learner, case)
+        if not math.isclose(got, want, rel_tol=1e-6):
+            failing.append(reasons)
+    if not failing:
+        return f"{len(fixed)} schedules, as hfstream.plan.predict_row, and {len(drawn)} drawn"
+    why = common_reason(failing)
 
-    cases = _schedule_cases()
-    for label, buckets, row, n, cfg in cases:
-        f, b, o = row["forward_ms"], row["backward_ms"], row["optimizer_ms"]
-        try:
-            got = learner.overlap_step_ms(list(buckets), f, b, o, n, cfg.link_gbs, cfg.latency_us)
-        except Exception as e:
-            raise Wrong(f"overlap_step_ms raised {type(e).__name__}: {e} ({label}); it takes buckets as a list of "
-                        f"(bytes, ready) pairs, ready = the fraction of backward done when the bucket is complete")
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            raise Wrong(f"overlap_step_ms should return the step in ms, got {got!r} ({label})")
-        want = row["step_overlap_ms"]
+    def prop(case):
+        got, want, shown, reasons = _schedule_eval(learner, case)
         if math.isclose(got, want, rel_tol=1e-6):
-            continue
-        times = [allreduce_s(nb, n, cfg.link_gbs, cfg.latency_us) * 1e3 for nb, _ in buckets]
-        busy = sum(times)
-        each_at_ready = max([ready * b + t for (_, ready), t in zip(buckets, times)] + [0.0])
-        head = f"{label}: you predicted {got:.6g} ms, the planner {want:.6g} ms. "
-        if math.isclose(got, f + b + busy + o, rel_tol=1e-6):
-            raise Wrong(head + "That is the serial step: with overlap a bucket's reduction starts during backward, "
-                        "as soon as the bucket is complete", reveal=REVEAL_SCHEDULE)
-        if math.isclose(got, f + max(b, busy) + o, rel_tol=1e-6):
-            raise Wrong(head + "That is the ceiling, as if every bucket could start when backward starts; a bucket "
-                        "starts only once backward has produced its last gradient (its ready fraction)",
-                        reveal=REVEAL_SCHEDULE)
-        if math.isclose(got, f + max(b, each_at_ready) + o, rel_tol=1e-6):
-            raise Wrong(head + "You started every bucket at its ready time, but the link reduces one bucket at a "
-                        "time: a bucket also waits for the previous one to finish", reveal=REVEAL_SCHEDULE)
-        raise AssertionError(head.rstrip(". "))
-    return f"{len(cases)} schedules, as hfstream.plan.predict_row"
+            return None
+        return f"{shown}: {why if why in reasons else 'replay backward on a clock, bucket by bucket'}"
+
+    found = (falsify(drawn, prop, kind=after_colon,
+                     smaller=lambda c: ((c[0][:k] + c[0][-1:], *c[1:]) for k in range(1, len(c[0]) - 1)))
+             or falsify(fixed, prop))
+    if why is None:
+        raise AssertionError(str(found))
+    raise Wrong(str(found), reveal=REVEAL_SCHEDULE)
+
+
+def _schedule_eval(learner, case):
+    """(the learner's step, the planner's, the call shown, the known mistakes that give the learner's step)."""
+    buckets, f, b, o, n, gbs, lat = case
+    shown_case = (f"overlap_step_ms({len(buckets)} buckets ready at "
+                  f"{', '.join(f'{r:.0%}' for _, r in buckets[:4])}{', ...' if len(buckets) > 4 else ''} of "
+                  f"backward, forward {f:.4g}, backward {b:.4g}, optimizer {o:.4g}, N={n}, {gbs:g} GB/s, {lat:g} us)")
+    try:
+        got = learner.overlap_step_ms(list(buckets), f, b, o, n, gbs, lat)
+    except Exception as e:
+        raise Wrong(f"overlap_step_ms raised {type(e).__name__}: {e} ({shown_case}); it takes buckets as a list of "
+                    f"(bytes, ready) pairs, ready = the fraction of backward done when the bucket is complete")
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise Wrong(f"overlap_step_ms should return the step in ms, got {got!r} ({shown_case})")
+    want = _schedule_ms(buckets, f, b, o, n, gbs, lat)
+    times = [_busy_ms([x], n, gbs, lat) for x, _ in buckets]
+    reasons = []
+    for value, why in (
+        (f + b + sum(times) + o, "that is the serial step: with overlap a bucket's reduction starts during backward, "
+                                 "as soon as the bucket is complete"),
+        (f + max(b, sum(times)) + o, "that is the ceiling, as if every bucket could start when backward starts; a "
+                                     "bucket starts only once backward has produced its last gradient (its ready "
+                                     "fraction)"),
+        (f + max(b, buckets[0][1] * b + sum(times)) + o,
+         "you kept the link busy from the first bucket on, without a pause: when a bucket is not ready yet the link "
+         "waits for it (idle), so a bucket starts at the later of its ready time and the previous one's end"),
+        (f + max(b, max(r * b + t for (_, r), t in zip(buckets, times))) + o,
+         "you started every bucket at its ready time, but the link reduces one bucket at a time: a bucket also waits "
+         "for the previous one to finish"),
+        (f + max(b, buckets[-1][1] * b + times[-1]) + o,
+         "you timed the last bucket alone: it also waits for the link to finish the buckets before it"),
+        (_schedule_ms([(x, r * (f + b) / b) for x, r in buckets], f, b, o, n, gbs, lat),
+         "a bucket's ready fraction is of backward alone: it is ready ready x backward_ms after backward starts; you "
+         "counted forward in that time, and forward comes before the whole schedule once more"),
+    ):
+        if math.isclose(got, value, rel_tol=1e-6) and not math.isclose(value, want, rel_tol=1e-6):
+            reasons.append(why)
+    return float(got), want, f"{shown_case} returned {float(got):.6g}", reasons
+
+
+def _schedule_ms(buckets, f, b, o, n, gbs, lat) -> float:
+    end = 0.0
+    for nbytes, ready in buckets:
+        end = max(ready * b, end) + _busy_ms([nbytes], n, gbs, lat)
+    return f + max(b, end) + o
+
+
+def _draw_schedules(seed: int = 95, count: int = 8) -> list[tuple]:
+    """``(buckets, forward, backward, optimizer, N, GB/s, latency us)``: 2 to 6 buckets whose ready fractions grow
+    from a few % to 100 %, on links fast enough to idle between buckets and slow enough to outlast backward."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        m = rng.randint(2, 6)
+        readies = sorted(round(rng.uniform(0.05, 0.95), 2) for _ in range(m - 1)) + [1.0]
+        buckets = tuple((float(rng.randint(10**6, 10**8)), r) for r in readies)
+        if k % 3 == 2:          # a small last bucket (a model's first layer): an earlier one may end last alone
+            buckets = buckets[:-2] + ((2e8, buckets[-2][1]), (1e5, 1.0))
+        f, b, o = float(rng.randint(5, 30)), float(rng.randint(40, 200)), float(rng.randint(1, 20))
+        total = sum(x for x, _ in buckets)
+        share = (0.2, 0.7, 1.5, 3.0)[k % 4]             # link time for everything, as a share of backward
+        gbs = round(2 * total / (share * b / 1e3) / 1e9, 3)
+        out.append((buckets, f, b, o, rng.choice((2, 4, 8)), gbs, float(rng.choice((0, 5)))))
+    return out
 
 
 CONFIG_CASE = "the configuration is one the lab can run"
