@@ -108,6 +108,19 @@ class Reduction:
     def close(self) -> None:
         pass
 
+    def release(self, states: list[BucketState]) -> None:
+        """Drop ``states``' wire buffers: at a re-plan, before the new plan allocates its own, and at close.
+
+        After ``finish()`` every reduction has completed and its result is in ``.grad`` (or,
+        sharded, in the shard's ``grad``), so the buffers the gradients travelled in (model-sized,
+        padded) are not read again. Without this the old plan's and the new plan's wire buffers
+        are both alive while the new one is built. Sharded: the shard's ``gathered`` (the
+        parameters' storage), ``grad`` and ``master`` stay, the new shard copies the parameters
+        from them and the optimizer state moves over.
+        """
+        for st in states:
+            st.buffer, st.views = None, []
+
     # -- what the public API means with whole gradients ---------------------------------------------
     def shard_optimizer(self, optimizer, mode: str):
         raise ValueError(f"shard_optimizer() needs GradSync(model, mode='sharded'); this GradSync has "

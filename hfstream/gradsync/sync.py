@@ -66,22 +66,6 @@ from .tune import BucketTuner, TuningResult
 logger = logging.getLogger(__name__)
 
 
-def release_wire_buffers(states: list[BucketState]) -> None:
-    """Drop the old plan's gradient wire buffers before the new plan allocates its own.
-
-    Called at a re-plan, after ``finish()``: every reduction has completed and its result is in
-    ``.grad`` (or, sharded, in the shard's ``grad``), so the buffers the gradients travelled in
-    (model-sized, padded) and a compressed wire's receive buffer are not read again. Without this
-    the old plan's and the new plan's wire buffers are both alive while the new one is built.
-    The shard's ``gathered`` (the parameters' storage), ``grad`` and ``master`` stay:
-    the new shard copies the parameters from them and the optimizer state moves over.
-    """
-    for st in states:
-        st.buffer, st.views = None, []
-        if st.shard is not None:
-            st.shard.received = None
-
-
 def _tensors(output) -> Iterator[torch.Tensor]:
     """The tensors of a forward's output (a tensor, or tuples, lists and dicts of them: ModelOutput)."""
     if isinstance(output, torch.Tensor):
@@ -306,7 +290,7 @@ class GradSync:
         # every rank. The hooks find the new buckets through _where; the old buffers are released.
         if [b.names for b in plan] != [b.names for b in self.buckets]:
             previous, self.buckets = self._states, plan
-            release_wire_buffers(previous)
+            self.reduction.release(previous)
             self._build_states(previous)
             self._reset_step()
             logger.info("GradSync: buckets re-planned (%d buckets, cap %s MiB)", len(plan), self._planner.planned_mb)
@@ -580,8 +564,7 @@ class GradSync:
         self._handles.clear()
         registry.release(self, [p for _, p in self._hooked])
         self._reset_step()
-        for st in self._states:
-            st.buffer, st.views = None, []
+        self.reduction.release(self._states)
         self._active = False
         self.closed = True
         # Let go of the group (the bucket tuner holds it too): a gloo group keeps its worker threads

@@ -83,7 +83,8 @@ class BucketShard:
     """One bucket in sharded mode: its padded layout, this rank's pieces, the buffers of both halves.
 
     Args:
-        st: the bucket's `BucketState`; its ``buffer`` and ``views`` become the padded layout.
+        st: the bucket's `BucketState` (its wire ``buffer``, of ``size * world_size`` elements, is the
+            strategy's: `sharded.reduction.ShardedReduction`).
         world_size, rank: the data-parallel group's size and this rank's place in it.
         local_sum: the reduce-scatter is an all-to-all plus a local sum (gloo, `collectives`).
 
@@ -103,9 +104,6 @@ class BucketShard:
         self.numels = [p.numel() for p in st.params]
         self.offsets, self.size, self.pieces = slices_of(self.numels, world_size, rank)
         padded = self.size * world_size
-        # Padding is zero and stays zero: packing writes the parameters' views only.
-        st.buffer = torch.zeros(padded, dtype=wire, device=device)
-        st.views = [st.buffer[o:o + n].view(p.shape) for o, n, p in zip(self.offsets, self.numels, st.params)]
         self.grad = torch.zeros(self.size, dtype=dtype, device=device)
         self.master = torch.zeros(self.size, dtype=dtype, device=device)
         if local_sum:

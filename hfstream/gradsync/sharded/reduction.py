@@ -116,7 +116,7 @@ class ShardedReduction(Reduction):
     def _build(self) -> None:
         w = self.wiring
         for st in self.states:
-            st.shard = BucketShard(st, w.world_size, w.rank, self.local_sum)
+            self._shard(st)
             st.shard.refresh()
 
     def _rebuild(self, previous: list[BucketState]) -> None:
@@ -139,13 +139,30 @@ class ShardedReduction(Reduction):
         cuts = [(st.params, slices_of([p.numel() for p in st.params], w.world_size, w.rank)[2]) for st in self.states]
         grads, state = shard_state.carry_over(self.optimizer, previous, cuts, w.group, w.world_size, self._retire)
         for j, st in enumerate(self.states):
-            st.shard = sh = BucketShard(st, w.world_size, w.rank, self.local_sum)
+            sh = self._shard(st)
             sh.refresh()
             for k, (pc, t) in enumerate(zip(sh.pieces, sh.tensors)):
                 if (j, k) in grads:
                     sh.grad[pc.start:pc.end] = grads.pop((j, k))
                 if (j, k) in state:
                     self.optimizer.state[t] = state.pop((j, k))
+
+    def _shard(self, st: BucketState) -> BucketShard:
+        """A bucket's shard (`layout.BucketShard`) and its wire buffer, the padded layout of the bucket.
+
+        The buffer's padding is zero and stays zero: packing writes the parameters' views only.
+        """
+        w = self.wiring
+        sh = st.shard = BucketShard(st, w.world_size, w.rank, self.local_sum)
+        st.buffer = torch.zeros(sh.size * w.world_size, dtype=st.wire_dtype, device=st.plan.device)
+        st.views = [st.buffer[o:o + n].view(p.shape) for o, n, p in zip(sh.offsets, sh.numels, st.params)]
+        return sh
+
+    def release(self, states: list[BucketState]) -> None:
+        super().release(states)
+        for st in states:
+            if st.shard is not None:
+                st.shard.received = None   # a compressed wire's receive buffer
 
     @staticmethod
     def _retire(st: BucketState) -> None:
