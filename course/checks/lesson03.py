@@ -178,16 +178,15 @@ def _(learner):
     assert 28 <= w <= 70, f"median data wait {w:.1f} ms, expected about 30"
     assert 85 <= s <= 150, f"median step {s:.1f} ms, expected about 90"
     # A loader that pauses differently for each batch: each step's wait is its own batch's pause.
-    pauses = (2.0, 24.0, 2.0, 12.0)
+    # (Only the ranking of the waits and a lower bound are asked: a loaded machine adds to every sleep.)
+    pauses = (2.0, 40.0, 2.0, 20.0)
     out = learner.timed_epoch(_Pausing(pauses), lambda batch: time.sleep(0.008))
     got = [float(v) for v in out["data_wait_ms"]]
-    for k, (g, p) in enumerate(zip(got, pauses)):
-        if not p - 0.5 <= g <= p + 7.0:
-            near = next((j for j, q in enumerate(pauses) if j != k and q - 0.5 <= g <= q + 7.0), None)
-            where = f", the pause of batch {near}" if near is not None else ""
-            raise Wrong(f"a loader whose next() pauses {', '.join(f'{q:g}' for q in pauses)} ms gave data waits of "
-                        f"{', '.join(f'{v:.0f}' for v in got)} ms: step {k}'s wait is {g:.0f} ms{where}, not its own "
-                        f"batch's {p:g} ms. Time next() for the batch that step then uses, in that same step")
+    ranked = sorted(range(len(got)), key=lambda k: -got[k])[:2] if len(got) == len(pauses) else []
+    if ranked != [1, 3] or got[1] < 39.5 or got[3] < 19.5:
+        raise Wrong(f"a loader whose next() pauses {', '.join(f'{q:g}' for q in pauses)} ms for batches 0 to 3 gave "
+                    f"data waits of {', '.join(f'{v:.0f}' for v in got)} ms: each step's wait must be the time of "
+                    f"its own batch's next(). Time next() for the batch that step then uses, in that same step")
     return f"data wait {w:.0f} ms, step {s:.0f} ms (30 + 60 expected); waits of {len(pauses)} uneven pauses each its own"
 
 
