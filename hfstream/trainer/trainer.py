@@ -736,8 +736,13 @@ class StreamTrainerMixin:
         advise_report(self._report, facts_from_trainer(self))
         if self.is_world_process_zero():
             path = write_report(self._report, self.args.output_dir, step=self.state.global_step)
-            for line in format_advice(self._report["advice"]):
-                notice(logger, "%s (report: %s)", line.strip(), path)
+            advice = self._report["advice"] or []
+            if advice:
+                # One line: the first advice and where the rest is. The report itself (print it, or
+                # `hfstream doctor`) holds every piece with its reason; the log does not say it twice.
+                first = format_advice(advice[:1])[0].strip()
+                more = f" and {len(advice) - 1} more" if len(advice) > 1 else ""
+                notice(logger, "hfstream: %s -- why%s: print(trainer.stream_report()) (report: %s)", first, more, path)
 
     def stream_report(self) -> StreamReport:
         """The step breakdown against the ceiling for the last `train()` call.
