@@ -51,7 +51,7 @@ def reduce_scatter_mean(flat):
     for peer in range(n):
         if peer != rank:
             works.append(dist.isend(chunks[peer].contiguous(), peer))
-            buf = torch.empty(size)
+            buf = torch.empty(size, dtype=flat.dtype)
             works.append(dist.irecv(buf, peer))
             inbox.append(buf)
     for w in works:
@@ -103,7 +103,7 @@ def reduce_scatter_mean(flat):
 def test_sending_every_peer_the_whole_tensor_is_named_by_its_bytes():
     whole = RS_P2P.replace("works.append(dist.isend(chunks[peer].contiguous(), peer))",
                            "works.append(dist.isend(flat, peer))").replace(
-        "buf = torch.empty(size)", "buf = torch.empty(n * size)").replace(
+        "buf = torch.empty(size, dtype=flat.dtype)", "buf = torch.empty(n * size, dtype=flat.dtype)").replace(
         "total = total + buf / n", "total = total + buf.view(n, size)[rank] / n")
     messages = _messages("10.reduce_scatter", whole)
     assert len(messages) == 1 and "sent 1.00 x the tensor's bytes" in messages[0], messages

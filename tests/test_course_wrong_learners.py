@@ -44,7 +44,7 @@ def reduce_scatter_mean(flat):
         peer = (rank + step) % n            # send to the rank `step` ahead, receive from the one behind
         src = (rank - step) % n
         send = dist.isend(chunks[peer].contiguous(), peer)
-        buf = torch.empty(size)
+        buf = torch.empty(size, dtype=flat.dtype)
         dist.irecv(buf, src).wait()
         send.wait()
         total += buf
@@ -60,6 +60,10 @@ RS_XOR_GUARDED = _changed(RS_XOR, "        peer = src = rank ^ step\n",
                           "        peer = src = rank ^ step\n        if peer >= n:\n            continue\n")
 
 
+# The receive buffer made without dtype=: float32 whatever the input; right on the old check's float32 inputs.
+RS_FLOAT32_BUFFER = _changed(RS_RIGHT, "buf = torch.empty(size, dtype=flat.dtype)", "buf = torch.empty(size)")
+
+
 def test_reduce_scatter_by_shifts_passes():
     assert _failures("10.reduce_scatter", RS_RIGHT) == []
 
@@ -68,6 +72,11 @@ def test_reduce_scatter_paired_by_xor_fails_at_three_ranks():
     first = _failures("10.reduce_scatter", RS_XOR)[0]
     assert first.startswith("3 ranks: rank "), first
     assert "which does not exist at N = 3" in first and "power of two" in first, first
+
+
+def test_reduce_scatter_with_a_float32_buffer_is_named_on_a_float64_input():
+    first = _failures("10.reduce_scatter", RS_FLOAT32_BUFFER)[0]
+    assert "float32" in first and "float64" in first and "dtype=" in first, first
 
 
 def test_reduce_scatter_paired_by_xor_skipping_missing_peers_names_the_lost_contribution():

@@ -70,10 +70,11 @@ from course.lib import *
 #   with what rank i sent; or the point-to-point `dist.isend` / `dist.irecv`, which return a
 #   work to `wait()` on.
 #
-# Decide where the division by N goes. The check runs your function on 2, 3 and 4 ranks (threads
-# of this process with an exchange that behaves like a process group and logs what each rank
-# sent; measurements later use real gloo processes), compares every rank's result with the mean
-# of its slice and names what it got instead, then counts the bytes each rank put on the wire.
+# Decide where the division by N goes, and keep the input's dtype. The check runs your function on
+# 2, 3 and 4 ranks (threads of this process with an exchange that behaves like a process group and
+# logs what each rank sent; measurements later use real gloo processes), with drawn slice sizes,
+# float32, float64 and bfloat16 inputs, compares every rank's result with the mean of its slice and
+# names what it got instead, then counts the bytes each rank put on the wire.
 
 # %%
 def reduce_scatter_mean(flat):

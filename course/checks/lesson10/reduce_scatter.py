@@ -1,17 +1,20 @@
 """10.reduce_scatter: a reduce-scatter built from all-to-all, checked on 2, 3 and 4 thread ranks.
 
-The property: for any world size N (a power of two or not) and any slice size S, rank r ends with
-the mean over all ranks of slice r of their tensors. Pairings that only work on powers of two
-(partner = rank ^ step) meet their first counterexample at N = 3."""
+The property: for any world size N (a power of two or not), any slice size S, any floating dtype and
+values of any size, rank r ends with the mean over all ranks of slice r of their tensors, in the
+input's dtype. Pairings that only work on powers of two (partner = rank ^ step) meet their first
+counterexample at N = 3; buffers made without dtype= (float32) meet theirs at float64 and bfloat16."""
 
 from __future__ import annotations
 
 import functools
 import itertools
+import random
 import re
 
 import torch
 
+from course.checks.drawn import falsify
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub
 
 from .threads import REFUSED, _close, _unwaited, _your_line, in_threads, raise_rank_error
@@ -82,9 +85,10 @@ def _rs_facts(learner) -> dict:
     return learner.once("10.reduce_scatter", compute)
 
 
-def _rs_diagnose(got: torch.Tensor | None, rank: int, n: int, size: int, log: list[dict]) -> str | None:
+def _rs_diagnose(got: torch.Tensor | None, rank: int, n: int, size: int, log: list[dict],
+                 inputs: list[torch.Tensor] | None = None) -> str | None:
     """None when ``got`` is this rank's mean slice; else what the learner's result is instead."""
-    inputs = [rs_input(r, n, size) for r in range(n)]
+    inputs = inputs if inputs is not None else [rs_input(r, n, size) for r in range(n)]
     chunk = lambda r, j: inputs[r][j * size:(j + 1) * size]          # noqa: E731 (slice j of rank r)
     total = sum(chunk(r, rank) for r in range(n))
     if got is None:
@@ -143,6 +147,69 @@ def _(learner):
                 if why:
                     raise Wrong(f"{n} ranks, rank {rank}, S = {item['size']}: {why}", reveal=RS_REVEAL)
     return "the mean slice on every rank"
+
+
+def _draw_rs(seed: int = 101, count: int = 6) -> list[tuple]:
+    """``(N, S, dtype, seed, scale)``: 2, 3 and 4 ranks, slices of 1 to 97 elements, float32, float64 and bfloat16,
+    values from 1e-3 to 1e3 in size."""
+    rng = random.Random(seed)
+    dtypes = (torch.float64, torch.bfloat16, torch.float32)
+    return [((3, 2, 4)[k % 3], rng.choice((1, 2, 5, 7, 64, rng.randint(8, 97))), dtypes[k % 3], rng.randrange(1000),
+             rng.choice((1e-3, 1.0, 1e3))) for k in range(count)]
+
+
+def _drawn_input(rank: int, case) -> torch.Tensor:
+    n, size, dtype, seed, scale = case
+    g = torch.Generator().manual_seed(seed * 10 + rank)
+    return (torch.randn(n * size, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+def _rs_drawn_mistake(learner, case) -> str | None:
+    n, size, dtype, seed, scale = case
+    results, errors, world = in_threads(lambda rank, _n, _w: learner.reduce_scatter_mean(_drawn_input(rank, case)),
+                                        n, refuse=RS_REFUSE)
+    if any(errors):
+        r, exc = next((r, e) for r, e in enumerate(errors) if e is not None)
+        text = str(exc).strip().splitlines()
+        return f"rank {r} raised {type(exc).__name__}: {text[-1] if text else ''}{_your_line(exc)}"
+    inputs = [_drawn_input(r, case) for r in range(n)]
+    for rank, got in enumerate(results):
+        want = sum(x.double()[rank * size:(rank + 1) * size] for x in inputs) / n
+        if got is None:
+            return f"rank {rank} returned None"
+        got = torch.as_tensor(got)
+        if got.dtype != dtype:
+            return (f"rank {rank} returned {str(got.dtype).replace('torch.', '')} for a "
+                    f"{str(dtype).replace('torch.', '')} input: a buffer made with torch.empty(...) or torch.zeros(...) "
+                    f"without dtype= is float32; make it like the input (torch.empty_like(flat), or dtype=flat.dtype)")
+        if got.numel() != size:
+            return f"rank {rank} returned {got.numel()} elements for S = {size}"
+        tol = {torch.bfloat16: 2e-2, torch.float32: 1e-5, torch.float64: 1e-10}[dtype]
+        if not torch.allclose(got.double(), want, rtol=tol, atol=tol * scale):
+            if dtype == torch.float64 and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * scale):
+                return (f"rank {rank}'s mean is right only to float32's precision: what the other ranks sent was "
+                        f"rounded to float32 on its way, in a buffer made without dtype= (torch.empty(...) is float32); "
+                        f"make every buffer like the input (torch.empty_like(flat), or dtype=flat.dtype)")
+            why = _rs_diagnose(got.double(), rank, n, size, [], inputs=[x.double() for x in inputs])
+            return f"rank {rank}: {why or 'the result is not the mean of slice ' + str(rank)}"
+    return None
+
+
+@rs_ex.case("drawn inputs: any slice size, float32, float64 and bfloat16, values of any size",
+            hint=RS_HINT, reveal=RS_REVEAL, timeout=60,
+            after="each rank ends with the mean of its own slice (2, 3 and 4 ranks, S = 3 and 1000)")
+def _(learner):
+    """Property: on 2, 3 and 4 ranks with drawn slices (1 to 97 elements), dtypes (float32, float64, bfloat16) and
+    values (1e-3 to 1e3), rank r ends with the mean of slice r, in the input's dtype, S elements."""
+    cases = _draw_rs()
+    found = falsify(cases, lambda c: (None if (why := _rs_drawn_mistake(learner, c)) is None else
+                                      f"{c[0]} ranks, S = {c[1]}, {str(c[2]).replace('torch.', '')}, values near "
+                                      f"{c[4]:g}: {why}"),
+                    smaller=lambda c: ((w, *c[1:]) for w in (2, 3) if w < c[0]),
+                    kind=lambda m: m.split(": ", 1)[-1].split(" ", 2)[-1][:40])
+    if found is not None:
+        raise Wrong(str(found), reveal=RS_REVEAL)
+    return f"{len(cases)} drawn inputs"
 
 
 @rs_ex.case("it sends each peer only that peer's slice: (N-1)/N of the tensor, half an all-reduce's bytes",
