@@ -146,7 +146,7 @@ def test_no_advice_names_what_was_ruled_out_and_the_report_prints_it(tmp_path, c
     # The reason survives the trip through the report file and doctor.
     from hfstream.report.timeline import StreamReport
 
-    (tmp_path / "stream_report.json").write_text(StreamReport(report).to_json())
+    (tmp_path / "stream_report.json").write_text(StreamReport.from_dict(report).to_json())
     capsys.readouterr()
     assert doctor(tmp_path) == 0
     out = capsys.readouterr().out

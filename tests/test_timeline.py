@@ -123,7 +123,7 @@ def test_a_two_rank_run_with_auto_buckets_leaves_its_tuning_steps_out_of_the_mea
         assert mine["steps"] == len(after) and mine["step_ms"] == pytest.approx(sum(after) / len(after))
         assert mine["tuning_steps"] == tuned - 1 and not mine["tuning_in_mean"]   # the first step is the warm-up
         assert report["mean"]["steps"] == len(after) and report["mean"]["tuning_steps"] == tuned - 1
-        assert f"tuning: {tuned - 1} steps while grad_bucket_mb='auto' tried caps" in str(StreamReport(report))
+        assert f"tuning: {tuned - 1} steps while grad_bucket_mb='auto' tried caps" in str(StreamReport.from_dict(report))
 
 
 def _host_clock(monkeypatch, reads_ms):

@@ -62,7 +62,7 @@ def load_report(path):
             return [nan(v) for v in x]
         return float("nan") if x is None else x
 
-    report = StreamReport({k: (nan(v) if k in ("mean", "per_rank") else v) for k, v in data.items()})
+    report = StreamReport.from_dict({k: (nan(v) if k in ("mean", "per_rank") else v) for k, v in data.items()})
     return report, file
 
 

@@ -28,11 +28,13 @@ time: it is the time the host could not launch work.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Collection, Iterable
 
@@ -518,14 +520,68 @@ def _add_comm(p: _PendingStep, busy_ms, exposed_ms, bucket_spans, all_gather_bus
     p.comm_spans.extend((f"gather {i}", t0, t1) for i, t0, t1 in all_gather_spans)
 
 
-class StreamReport(dict):
-    """The step breakdown against the ceiling: a dict (``mean``, ``per_rank``) that prints as a table."""
+@dataclasses.dataclass(eq=False)
+class StreamReport(Mapping):
+    """The step breakdown against the ceiling, and what to change: prints as a table.
+
+    Typed: its fields are fixed (a field no module declared here cannot be added), and it reads
+    as a mapping of the fields that are set (``report["mean"]``, ``dict(report)``, JSON), so a
+    script reads it as the stock Trainer's metrics dicts. The Trainer fills the measured part
+    when training ends; `hfstream.report.advice.advise_report` the advice part.
+
+    Args:
+        mean: each field of docs/design.md section 4, averaged over ranks (`combine_ranks`).
+        per_rank: each rank's mean over its steps after the first.
+        grad_sync: the mode that ran; prefetch_depth: the prefetch depth.
+        spans: every rank's timeline of its last few steps (`hfstream.cli.plot.plot_timeline`).
+        notes: what hfstream said once during the run (a lost overlap, a refusal's reason).
+        save: the saves' exposed time (`save_async`).
+        advice, unchecked_advice, load, ruled_out, data_side, model: the advice and what it rests
+            on (`advice.advise_report`).
+    """
+
+    mean: dict | None = None
+    per_rank: list | None = None
+    grad_sync: str | None = None
+    prefetch_depth: int | None = None
+    spans: list | None = None
+    notes: list | None = None
+    save: dict | None = None
+    advice: list | None = None
+    unchecked_advice: list | None = None
+    load: dict | None = None
+    ruled_out: list | None = None
+    data_side: dict | None = None
+    model: dict | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "StreamReport":
+        """A report from its JSON form; keys it does not know (another version's) are left out."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def __getitem__(self, key: str):
+        value = getattr(self, key, None) if key in _REPORT_FIELDS else None
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def __setitem__(self, key: str, value) -> None:
+        if key not in _REPORT_FIELDS:
+            raise KeyError(f"StreamReport has no field {key!r}; its fields: {', '.join(_REPORT_FIELDS)}")
+        setattr(self, key, value)
+
+    def __iter__(self):
+        return (k for k in _REPORT_FIELDS if getattr(self, k) is not None)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
     def __str__(self) -> str:
         return format_report(self)
 
     def to_json(self) -> str:
-        """Strict JSON: unmeasured values (NaN) become null."""
+        """Strict JSON of the fields that are set: unmeasured values (NaN) become null."""
         def clean(x):
             if isinstance(x, dict):
                 return {k: clean(v) for k, v in x.items()}
@@ -534,3 +590,6 @@ class StreamReport(dict):
             return None if isinstance(x, float) and math.isnan(x) else x
 
         return json.dumps(clean(dict(self)), indent=2, allow_nan=False)
+
+
+_REPORT_FIELDS = tuple(f.name for f in dataclasses.fields(StreamReport))
