@@ -15,12 +15,16 @@ import pytest
 import torch
 
 from hfstream import StreamTrainer, StreamTrainingArguments
-from hfstream.report.advice import MIN_SAVING, RunFacts, advise
+from hfstream.report.advice import MIN_SAVING, CommScaling, RunFacts, advise
 from hfstream.cli.doctor import doctor
 from tiny import lm_dataset, tiny_causal_lm, train_args
 
 
 # -- the model, by hand ---------------------------------------------------------------------------
+# A run whose collectives took longer in proportion to their bytes (the bf16 wire's premise).
+BYTES_BOUND = CommScaling(ms_per_mib=8.0, fixed_ms=0.5, bytes_share=0.95, buckets=7, smallest_mib=1.0, largest_mib=4.0)
+
+
 def _plan(total=28_000_000):
     return lambda cap: [total] if cap >= 64 else [int(cap * 2**20)] * max(1, int(total / (cap * 2**20)))
 
@@ -43,7 +47,8 @@ def test_data_bound_run_is_told_to_prefetch_with_the_step_it_would_take():
 def test_comm_bound_run_gets_results_keeping_changes_first():
     mean = dict(data_wait_ms=1, forward_ms=70, backward_ms=115, optimizer_ms=29, exposed_comm_ms=234,
                 comm_busy_ms=234, step_ms=455)
-    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=64.0, plan=_plan()))
+    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=64.0, plan=_plan(),
+                                   comm_scaling=BYTES_BOUND))
     settings = [a["setting"] for a in advice]
     assert settings[0] in ("grad_sync", "grad_bucket_mb")
     keep = [a["changes_results"] for a in advice]

@@ -16,8 +16,11 @@ import types
 import pytest
 import torch
 
-from hfstream.report.advice import (BUCKET_CANDIDATES_MB, DataSide, RunFacts, _comm_step, _Link, _overlap_schedule,
-                                    _Parts, _ready, advise, facts_from_trainer)
+from hfstream.report.advice import (BUCKET_CANDIDATES_MB, CommScaling, DataSide, RunFacts, _comm_step, _Link,
+                                    _overlap_schedule, _Parts, _ready, advise, facts_from_trainer)
+
+# A run whose collectives took longer in proportion to their bytes (the bf16 wire's premise).
+BYTES_BOUND = CommScaling(ms_per_mib=8.0, fixed_ms=0.5, bytes_share=0.95, buckets=7, smallest_mib=1.0, largest_mib=4.0)
 
 
 def test_readiness_is_interpolated_between_the_measured_points():
@@ -216,7 +219,8 @@ def test_changes_that_keep_results_come_first_then_the_larger_saving():
     mean = dict(data_wait_ms=15, forward_ms=70, backward_ms=115, optimizer_ms=29, exposed_comm_ms=234,
                 comm_busy_ms=234, step_ms=470)
     plan = lambda cap: [28_000_000] if cap >= 64 else [int(cap * 2**20)] * max(1, int(28_000_000 / (cap * 2**20)))  # noqa: E731
-    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=64.0, plan=plan, samples_per_step=8))
+    advice = advise(mean, RunFacts(grad_sync="overlap", world_size=2, bucket_mb=64.0, plan=plan, samples_per_step=8,
+                                   comm_scaling=BYTES_BOUND))
     # Generated as bucket cap, wire dtype, accumulation; the wire dtype saves less than accumulation.
     assert [a["setting"] for a in advice] == ["grad_bucket_mb", "gradient_accumulation_steps", "grad_comm_dtype"]
     assert [a["changes_results"] for a in advice] == [False, True, True]

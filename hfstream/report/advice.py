@@ -27,8 +27,16 @@ run's own parts, not a hardware table:
   forward and backward, while a producer thread ran against while it did not, tells one that holds
   the GIL (worker processes, ``dataloader_num_workers``, are the fix).
 
+A change is advised only where the run's own measurement shows the mechanism it relies on, and
+each advice names that measurement (its ``premise``): prefetching or workers only where the step
+waited for its batch; a bucket cap only where the step waited for communication after backward;
+the bf16 wire only where the run's collectives took longer in proportion to their bytes
+(`measure_comm_scaling`, a line through each bucket's time against its bytes; not measured, it is
+not advised and the report says how to measure it); under ``grad_sync="serial"``, ``overlap``
+first (it keeps the results), never a larger batch before it.
+
 Candidates: ``prefetch_depth``, ``dataloader_num_workers``, ``grad_bucket_mb``, ``grad_sync``
-(overlap <-> sharded), ``grad_comm_dtype`` and ``gradient_accumulation_steps``. Only a change
+(serial -> overlap, overlap <-> sharded), ``grad_comm_dtype`` and ``gradient_accumulation_steps``. Only a change
 predicted to save at least `MIN_SAVING` is advised (of the step; of the time per sample for a
 change of the effective batch, whose ``predicted_step_ms`` is the new, longer step). Changes that
 keep the run's results come first (best first), then those that change them (a bf16 wire, a larger
@@ -88,7 +96,12 @@ EXPECTED_ERROR: dict[str, float] = {kind: err for kind, (_, err) in CALIBRATION.
 # A mode switch is advised only once the sweep has checked its prediction against measured runs of
 # both modes on the same kind of machine (an `EXPECTED_ERROR` entry): before that (issue 30) it made
 # two runs of three slower. Until then its prediction is kept in the report as ``unchecked_advice``.
+# Serial -> overlap is not such a switch: the same all-reduces, launched during backward.
 CHECKED_BY_SWEEP = ("grad_sync",)
+# The bf16 wire is advised only where at least this share of the collectives' time grew with their
+# bytes (`CommScaling`): on a link that is the bottleneck nearly all of it; where the collectives'
+# time is per-call overhead or waiting for a core, halving the bytes saves little.
+BYTES_SHARE = 0.5
 
 
 @dataclass
@@ -118,6 +131,9 @@ class RunFacts:
             launched in the run (`measured_ready`), or None: bytes-proportional.
         comm_slowdown: ms of backward per ms of communication in flight in it (`comm_slowdown`),
             or None where the run could not tell.
+        comm_scaling: how the run's collectives' time grew with their bytes (`measure_comm_scaling`),
+            or None where the run could not tell (then the bf16 wire is not advised);
+            ``comm_scaling_unmeasured`` says why it could not.
         mode_switch_checked: advise a ``grad_sync`` switch (None: only once `EXPECTED_ERROR` has one,
             `CHECKED_BY_SWEEP`).
         calibration: each kind of prediction's measured (bias, |error|) (None: `CALIBRATION`, the
@@ -143,6 +159,8 @@ class RunFacts:
     samples_per_step: int = 0
     bucket_ready: list[float] | None = None
     comm_slowdown: float | None = None
+    comm_scaling: "CommScaling | None" = None
+    comm_scaling_unmeasured: str = ""
     mode_switch_checked: bool | None = None
     calibration: dict[str, tuple[float, float]] | None = None
 
@@ -300,6 +318,75 @@ def comm_slowdown(spans) -> float | None:
         return None
     dy = median([y for _, y in high]) - median([y for _, y in low])
     return min(1.0, max(0.0, dy / dx))
+
+
+@dataclass
+class CommScaling:
+    """How the run's collectives' time grew with their bytes: a line through each bucket's median time.
+
+    Attributes:
+        ms_per_mib: the line's slope, ms per MiB of gradient (as planned, before any wire dtype).
+        fixed_ms: its intercept, ms per collective whatever its bytes.
+        bytes_share: of the buckets' time in one step, the share the slope explains (``ms_per_mib``
+            x their MiB over their time): the part fewer bytes would shorten.
+        buckets: how many buckets the line is fitted through; smallest_mib, largest_mib: their range.
+    """
+
+    ms_per_mib: float
+    fixed_ms: float
+    bytes_share: float
+    buckets: int
+    smallest_mib: float
+    largest_mib: float
+
+    @property
+    def holds(self) -> bool:
+        """The premise of the bf16 wire: at least `BYTES_SHARE` of the collectives' time is per byte."""
+        return self.ms_per_mib > 0 and self.bytes_share >= BYTES_SHARE
+
+    def evidence(self) -> str:
+        return (f"the run's collectives took {self.ms_per_mib:.2f} ms more per MiB (a line through {self.buckets} "
+                f"buckets of {self.smallest_mib:.2g}-{self.largest_mib:.2g} MiB): their bytes are "
+                f"{max(0.0, self.bytes_share):.0%} of their time")
+
+
+def measure_comm_scaling(spans, bucket_bytes: list[int]) -> tuple[CommScaling | None, str]:
+    """How the run's collectives' time grew with their bytes, from the report's spans; or None and why not.
+
+    A bucket's time is from its launch, or from the end of the bucket before it on the same rank if
+    that was later (collectives run one after another on the link), to its end: each bucket's median
+    over the ranks and steps the spans cover. A least-squares line through (bytes, time) of the
+    buckets needs at least 3 of them whose sizes differ by 1.5x or more (one size tells nothing).
+
+    Args:
+        spans: the report's ``(rank, lane, name, start, end)``; ``"bucket i"`` of the comm lane.
+        bucket_bytes: the bytes of each bucket of the run's plan, in launch order.
+    """
+    by_rank: dict[int, list] = {}
+    for rank, lane, name, t0, t1 in (tuple(s) for s in spans or ()):
+        if lane == "comm" and str(name).startswith("bucket ") and t1 >= t0:
+            by_rank.setdefault(rank, []).append((t0, t1, int(str(name).split()[1])))
+    times: dict[int, list[float]] = {}
+    for seen in by_rank.values():
+        free = -math.inf
+        for t0, t1, i in sorted(seen):
+            times.setdefault(i, []).append(max(0.0, t1 - max(t0, free)) * 1e3)
+            free = max(free, t1)
+    n = len(bucket_bytes)
+    if n < 3:
+        return None, f"{_count(n, 'bucket')}: a line needs at least 3"
+    if any(i not in times for i in range(n)) or any(i >= n for i in times):
+        return None, "the report's spans do not show every bucket of the run's plan"
+    mib = [b / 2**20 for b in bucket_bytes]
+    if max(mib) < 1.5 * min(mib):
+        return None, f"its buckets were all about one size ({min(mib):.2g}-{max(mib):.2g} MiB)"
+    ys = [median(times[i]) for i in range(n)]
+    mx, my = sum(mib) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in mib)
+    slope = sum((x - mx) * (y - my) for x, y in zip(mib, ys)) / var
+    total = sum(ys)
+    share = slope * sum(mib) / total if total > 0 else 0.0
+    return CommScaling(slope, my - slope * mx, min(1.0, share), n, min(mib), max(mib)), ""
 
 
 @dataclass
@@ -462,7 +549,8 @@ def advise(mean: dict, facts: RunFacts, ruled_out: list[str] | None = None,
     checked = facts.mode_switch_checked
     for a in out:
         a = _calibrate(a, facts, parts.step)
-        held = a["setting"] in CHECKED_BY_SWEEP and not (checked if checked is not None else _kind(a, facts) in EXPECTED_ERROR)
+        held = (a["setting"] in CHECKED_BY_SWEEP and facts.grad_sync != "serial"
+                and not (checked if checked is not None else _kind(a, facts) in EXPECTED_ERROR))
         if a["saving"] >= MIN_SAVING and held:
             why.append(f"{a['setting']}={a['value']}: predicted {a['predicted_step_ms']:g} ms, but a mode switch is "
                        f"advised only once the sweep has checked such predictions against measured runs of both "
@@ -478,7 +566,16 @@ def advise(mean: dict, facts: RunFacts, ruled_out: list[str] | None = None,
             why.append(f"{a['setting']}={a['value']}: predicted to save {a['saving']:.0%} {unit}{share}, under "
                        f"{MIN_SAVING:.0%}")
     # Results-keeping changes first, best first; a change of results never before one that keeps them.
-    worth.sort(key=lambda a: (a["changes_results"], -a["saving"]))
+    # Under serial, overlap first: the mode a run that waits for its communication should be in, whatever
+    # else it waits for; a larger batch only after it.
+    first = lambda a: facts.grad_sync == "serial" and a["setting"] == "grad_sync"  # noqa: E731
+    worth.sort(key=lambda a: (a["changes_results"], not first(a), -a["saving"]))
+    if facts.grad_sync == "serial" and not any(first(a) for a in worth):
+        for a in [a for a in worth if a["setting"] == "gradient_accumulation_steps"]:
+            worth.remove(a)
+            why.append("gradient_accumulation_steps: under grad_sync='serial', grad_sync='overlap' comes first (it "
+                       "keeps the results); it is not predicted to save enough here, and a larger batch is not "
+                       "advised before it")
     seen, best = set(), []
     for a in worth:   # one piece of advice per setting: its best value
         if a["setting"] not in seen:
@@ -503,6 +600,9 @@ def advise_report(report: dict, facts: RunFacts) -> dict:
         facts.bucket_ready = measured_ready(spans, len(facts.plan(facts.bucket_mb)))
     if facts.comm_slowdown is None and facts.grad_sync in ("overlap", "sharded"):
         facts.comm_slowdown = comm_slowdown(spans)
+    if facts.comm_scaling is None and facts.plan is not None and facts.bucket_mb is not None \
+            and facts.grad_sync in ("overlap", "sharded", "serial"):
+        facts.comm_scaling, facts.comm_scaling_unmeasured = measure_comm_scaling(spans, facts.plan(facts.bucket_mb))
     mean = report.get("mean") or {}
     why: list[str] = []
     held: list[dict] = []
@@ -520,7 +620,8 @@ def advise_report(report: dict, facts: RunFacts) -> dict:
         **{k: getattr(facts.data, k) for k in ("where", "wall_ms", "cpu_ms", "batches", "share_with", "share_without")},
         "kind": facts.data.kind(facts.spare_cores)}
     report["model"] = {"bucket_ready": "measured" if facts.bucket_ready is not None else "bytes-proportional",
-                       "comm_slowdown": facts.comm_slowdown}
+                       "comm_slowdown": facts.comm_slowdown,
+                       "comm_scaling": None if facts.comm_scaling is None else vars(facts.comm_scaling)}
     return report
 
 
@@ -546,11 +647,12 @@ def _load(facts: RunFacts) -> dict:
             "limit_per_core": LOADED_PER_CORE, "unreliable": bool(known and load > limit)}
 
 
-def _advice(setting: str, value, predicted: float, reason: str, step: float, changes_results: bool = False,
-            saving: float | None = None) -> dict:
-    """One advice; ``saving`` defaults to the share of ``step`` the prediction saves."""
+def _advice(setting: str, value, predicted: float, reason: str, step: float, premise: str,
+            changes_results: bool = False, saving: float | None = None) -> dict:
+    """One advice; ``premise``: the run's measurement that shows the mechanism it relies on.
+    ``saving`` defaults to the share of ``step`` the prediction saves."""
     return {"setting": setting, "value": value, "predicted_step_ms": round(predicted, 1), "reason": reason,
-            "changes_results": changes_results,
+            "premise": premise, "changes_results": changes_results,
             "saving": round(saving if saving is not None else 1 - predicted / step, 4),
             "expected_error": None}
 
@@ -561,6 +663,8 @@ def _kind(a: dict, facts: RunFacts) -> str:
         return f"{a['setting']}/{'sharded' if facts.grad_sync == 'sharded' else 'overlap'}"
     if a["setting"] == "prefetch_depth":
         return f"prefetch_depth={0 if a['value'] == 0 else 2}"
+    if a["setting"] == "grad_sync" and facts.grad_sync == "serial":
+        return "grad_sync=overlap/serial"
     return a["setting"]
 
 
@@ -592,6 +696,9 @@ def _data_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
     if kind in ("holds_gil", "contends") and facts.prefetch_depth > 0:
         # The step's own compute ran slower while the producer thread ran: what it lost comes back
         # once the producer is out of this process.
+        premise = (f"the step's own thread got {data.share_with:.0%} CPU in forward and backward while the "
+                   f"producer thread ran, " + (f"{data.share_without:.0%} while it did not" if not
+                                                math.isnan(data.share_without) else "against a whole core"))
         lost = (parts.forward + parts.backward) * data.loss
         calm = rest - lost
         produce = data.cpu_ms
@@ -604,7 +711,7 @@ def _data_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
                 "dataloader_num_workers", workers, calm + left,
                 f"the producer thread holds the GIL{seen}: the step's forward and backward lost about {_say(lost)}; "
                 f"{workers} worker process(es) have their own interpreter and core, leaving {_say(left)} of data wait",
-                step))
+                step, premise))
         else:
             why.append(f"dataloader_num_workers: the producer thread takes the GIL or a core from the step{seen}, "
                        f"and there is no core for worker processes ({spare})")
@@ -612,7 +719,7 @@ def _data_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
             "prefetch_depth", 0, calm + produce * micro,
             f"the producer thread slows the step's own compute{seen}: in the step itself it would take "
             f"{_say(produce)} a batch ({micro} a step) but no longer slow forward and backward (about "
-            f"{_say(lost)} lost now)", step))
+            f"{_say(lost)} lost now)", step, premise))
         return out
     if wait <= MIN_SAVING * step:
         if wait > 0 or data is not None:
@@ -635,7 +742,8 @@ def _data_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
         out.append(_advice(
             "prefetch_depth", 2, rest + left,
             f"the step waited {_say(wait)} of {_say(step)} for its batch, loaded in the step itself{seen}; "
-            f"prefetched beside the other {_say(rest)} of the step ({how}), {_say(left)} would be left", step))
+            f"prefetched beside the other {_say(rest)} of the step ({how}), {_say(left)} would be left", step,
+            f"the step waited for its batch: {_say(wait)} of {_say(step)} (the data wait, measured)"))
         return out
     # Already prefetching: the producer is slower than the step. Workers share its work.
     produce = data.wall_ms if data is not None and data.where == "thread" else wait + rest
@@ -661,7 +769,9 @@ def _data_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
         out.append(_advice(
             "dataloader_num_workers", workers, rest + left,
             f"with prefetching the step still waited {_say(wait)} of {_say(step)}{seen}: one producer takes about "
-            f"{_say(produce)} per batch; {workers} workers ({cores_said}) would leave {_say(left)}", step))
+            f"{_say(produce)} per batch; {workers} workers ({cores_said}) would leave {_say(left)}", step,
+            f"with prefetching the step still waited for its batch ({_say(wait)} of {_say(step)}), and one "
+            f"producer took {_say(produce)} per batch, more than the {_say(rest)} of the step beside it"))
     else:
         why.append(f"dataloader_num_workers: {have} producer(s) already use the {cores} core(s) per rank there "
                    f"are for them ({spare}; {facts.cores_per_rank} per rank in all)" if kind != "waits" else
@@ -699,18 +809,35 @@ def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
         low = min(ms for _, ms in scored)
         return max((c for c in scored if c[1] <= low * 1.02), key=lambda c: c[0])
 
+    waited = exposed >= MIN_SAVING * parts.step   # the premise of every change on the link
+    waited_said = (f"the step waited for communication after backward: {_say(exposed)} of {_say(parts.step)} "
+                   f"(exposed comm, measured; {_say(parts.busy)} busy)")
+    if not waited:
+        why.append(f"communication: the step waited {_say(exposed)} of {_say(parts.step)} for it after backward: "
+                   f"little for a bucket cap, the bf16 wire or a mode switch to hide")
+    # Serial -> overlap: the same all-reduces, launched as backward produces their buckets.
+    if mode == "serial" and waited:
+        model_ms = _comm_step("overlap", current, link, parts, facts, parts.optimizer)
+        out.append(_advice(
+            "grad_sync", "overlap", predicted(model_ms),
+            f"under serial every bucket's all-reduce waits for the end of backward; overlap launches each as "
+            f"backward produces it, behind the rest of the {_say(parts.backward)} backward, and keeps the results "
+            f"(the same all-reduces, the same sums)", parts.step,
+            f"under serial all {_say(parts.busy)} of communication ran after backward ({_say(exposed)} exposed), "
+            f"beside a {_say(parts.backward)} backward that overlap runs it in"))
     # The bucket cap, in the mode the run has.
     ready_said = (f"buckets ready as the run's spans show (the first at {facts.bucket_ready[0]:.0%} of backward)"
                   if _ready_curve(facts) else "buckets assumed ready in proportion to their bytes (no spans measured)")
-    if not facts.auto_bucket:
+    if not facts.auto_bucket and waited:
         best = best_cap(mode, parts.optimizer, [c for c in BUCKET_CANDIDATES_MB if c != facts.bucket_mb])
         out.append(_advice(
             "grad_bucket_mb", best[0], predicted(best[1]),
             f"{_say(exposed)} of the {_say(parts.step)} step waited for communication ({_say(parts.busy)} busy) "
             f"with {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
-            f"link less after backward (or 'auto' tunes it in the first steps); {ready_said}", parts.step))
+            f"link less after backward (or 'auto' tunes it in the first steps); {ready_said}", parts.step,
+            waited_said))
     # The other mode: overlap <-> sharded (the optimizer then steps 1/N of the parameters, or all).
-    if mode in ("overlap", "sharded"):
+    if mode in ("overlap", "sharded") and exposed + parts.optimizer >= MIN_SAVING * parts.step:
         other_mode = "sharded" if mode == "overlap" else "overlap"
         n = facts.world_size
         opt = parts.optimizer / n if other_mode == "sharded" else parts.optimizer * n
@@ -724,16 +851,27 @@ def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
         out.append(_advice(
             "grad_sync", other_mode, predicted(model_ms),
             f"{_say(exposed)} exposed comm and {_say(parts.optimizer)} optimizer of a {_say(parts.step)} step; "
-            f"{other_mode} at {plan_cap:g} MiB buckets: {what}", parts.step))
-    # A narrower wire: half the bytes, results change.
-    if facts.wire_element_bytes > 2:
-        half = [b / 2 for b in current]
-        model_ms = _comm_step(mode, half, link, parts, facts, parts.optimizer)
-        out.append(_advice(
-            "grad_comm_dtype", "bf16", predicted(model_ms),
-            f"{_say(parts.busy)} of communication carries {facts.wire_element_bytes}-byte gradients; bf16 halves "
-            f"the bytes. Changes the results slightly: each rank's gradient is rounded to bf16 before the sum",
-            parts.step, changes_results=True))
+            f"{other_mode} at {plan_cap:g} MiB buckets: {what}", parts.step,
+            f"the step waited {_say(exposed)} for communication after backward and took {_say(parts.optimizer)} "
+            f"in the optimizer, of {_say(parts.step)} (measured)"))
+    # A narrower wire: half the bytes, results change. Only where fewer bytes are measured to take less time.
+    scaling = facts.comm_scaling
+    if facts.wire_element_bytes > 2 and waited:
+        if scaling is None:
+            why.append(f"grad_comm_dtype=bf16: not advised: whether this run's communication takes less time with "
+                       f"fewer bytes was not measured ({facts.comm_scaling_unmeasured or 'no per-bucket spans'}); to "
+                       f"measure it, run a few steps with grad_comm_dtype='bf16' and compare the exposed comm")
+        elif not scaling.holds:
+            why.append(f"grad_comm_dtype=bf16: {scaling.evidence()}, under {BYTES_SHARE:.0%}: the collectives' "
+                       f"time is per call or waiting, and half the bytes would not shorten it")
+        else:
+            half = [b / 2 for b in current]
+            model_ms = _comm_step(mode, half, link, parts, facts, parts.optimizer)
+            out.append(_advice(
+                "grad_comm_dtype", "bf16", predicted(model_ms),
+                f"{_say(parts.busy)} of communication carries {facts.wire_element_bytes}-byte gradients; bf16 halves "
+                f"the bytes. Changes the results slightly: each rank's gradient is rounded to bf16 before the sum",
+                parts.step, f"{waited_said}; {scaling.evidence()}", changes_results=True))
     return out
 
 
@@ -764,7 +902,8 @@ def _accumulation_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list
         f"{_say(parts.exposed)}, optimizer {_say(parts.optimizer)}); with {2 * a} micro-batches a step takes about "
         f"{_say(new_step)} for twice the samples ({per}). Changes the results: twice the effective batch, half "
         f"the optimizer steps (adjust learning rate and max_steps)",
-        parts.step, changes_results=True, saving=saving)
+        parts.step, f"paid once per step: exposed comm {_say(parts.exposed)} and optimizer {_say(parts.optimizer)} "
+                    f"of {_say(parts.step)} (measured)", changes_results=True, saving=saving)
     entry["ms_per_sample"] = None if now_ms is None else round(now_ms, 3)
     entry["predicted_ms_per_sample"] = None if new_ms is None else round(new_ms, 3)
     return [entry]

@@ -35,8 +35,9 @@ def format_advice(advice: list[dict] | None) -> list[str]:
     """One entry per piece of advice, each at most `ADVICE_WIDTH` columns a line.
 
     ``advice: set <setting>=<value> (predicted <x> ms)`` first (a change of the effective batch:
-    its new step and the time per sample), then the reason wrapped under it, indented, its expected
-    error, and, where the machine was loaded when the run ended, a line saying the prediction is
+    its new step and the time per sample), then the reason wrapped under it, indented, the premise it
+    checked (the run's measurement that shows its mechanism), its expected error, and, where the
+    machine was loaded when the run ended, a line saying the prediction is
     unreliable and why (the load against the bench's limit).
     """
     lines = []
@@ -50,6 +51,8 @@ def format_advice(advice: list[dict] | None) -> list[str]:
             tail = f" (predicted {predicted:.2f} ms a step of more samples, {a.get('saving', 0):.0%} less per sample)"
         text = [f"  advice: set {a.get('setting')}={a.get('value')}{tail}"]
         text += _wrap(str(a.get("reason", "")))
+        if a.get("premise"):   # the run's measurement that shows the mechanism the change relies on
+            text += _wrap(f"premise: {a['premise']}")
         if "expected_error" in a:
             err = a.get("expected_error")
             text += _wrap("expected error: not yet measured (the sweep of docs/benchmarks.md has not been run on a "
