@@ -206,4 +206,4 @@ def test_bench_advice_refuses_an_unknown_scenario_by_name(capsys):
 
     with pytest.raises(SystemExit):
         main(["--scenarios", "data,network"])
-    assert "--scenarios: unknown network; accepted: data, comm, ceiling" in capsys.readouterr().err
+    assert "--scenarios: unknown network; accepted: data, comm, serial, ceiling" in capsys.readouterr().err

@@ -1,13 +1,15 @@
 """Is the report's advice right? Run a scenario, apply its first advice, measure again.
 
-Three scenarios (issue 20): a data-bound run (one process, a collate as costly as a step, no
-prefetch), a comm-bound run (2 gloo ranks on a shaped link, one large bucket, fp32 wire) and a
-run already close to its ceiling (2 ranks on the plain loopback, default settings). For each:
+Four scenarios (issue 20; serial, issue 45): a data-bound run (one process, a collate as costly as
+a step, no prefetch), a comm-bound run (2 gloo ranks on a shaped link, one large bucket, fp32 wire),
+a serial run on the same link (4 MiB buckets, all reduced after backward: its first advice should
+be ``grad_sync="overlap"``, with the premise it checked) and a run already close to its ceiling (2
+ranks on the plain loopback, default settings). For each:
 the step before, the first advice and its predicted step, the step after applying it, and how
 far the prediction was from the measurement (the target: within 25 %; at the ceiling: no
 advice worth 10 %).
 
-    python -m dev.bench.advice --json advice.json                  # all three (root for the shaped link)
+    python -m dev.bench.advice --json advice.json                  # all four (root for the shaped link)
     python -m dev.bench.advice --scenarios data,ceiling           # without root
 
 A scenario's runs are `StreamTrainer` runs through torchrun (the 2-rank ones; in a network
@@ -36,6 +38,7 @@ SCENARIOS = {
     # name: (ranks, shaped link Mbit/s or None, StreamTrainingArguments overrides, collate rounds)
     "data": (1, None, dict(prefetch_depth=0, grad_sync="native"), 50),   # about a step of collate
     "comm": (2, 1000, dict(grad_sync="overlap", grad_bucket_mb=float("inf"), grad_comm_dtype=None), 0),
+    "serial": (2, 1000, dict(grad_sync="serial", grad_bucket_mb=4.0, grad_comm_dtype=None), 0),
     "ceiling": (2, None, dict(), 0),
 }
 
@@ -164,7 +167,7 @@ def _table(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m dev.bench.advice", description=__doc__.split("\n\n")[0])
-    p.add_argument("--scenarios", default="data,comm,ceiling", help="comma-separated: data, comm, ceiling")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma-separated: {', '.join(SCENARIOS)}")
     p.add_argument("--steps", type=int, default=16, help="optimizer steps per run (default 16)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -189,7 +192,8 @@ def main(argv=None) -> int:
     print(f"load average {load:.2f} on {os.cpu_count()} cores")
     for r in rows:
         for a in r.get("advice", []):
-            print(f"  {r['scenario']}: {a['setting']}={a['value']} -> {a['predicted_step_ms']} ms: {a['reason']}")
+            print(f"  {r['scenario']}: {a['setting']}={a['value']} -> {a['predicted_step_ms']} ms: {a['reason']} "
+                  f"(premise: {a.get('premise')})")
     if ns.json:
         Path(ns.json).write_text(json.dumps({"rows": rows, "load_average": load,
                                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
