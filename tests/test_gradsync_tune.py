@@ -314,6 +314,7 @@ def test_auto_under_sharded_scores_and_says_whole_steps(monkeypatch, whole_step)
 
     class Plan:
         names = ("w",)
+        nbytes = 4
 
     cap = tune.AutoBucketCap(lambda mb: [Plan()], None, torch.device("cpu"), whole_step=whole_step)
     assert (cap.tuner.statistic, cap.tuner.scored_steps, cap.tuner.rematch, cap.tuner.default_mb) == (

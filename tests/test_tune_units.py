@@ -284,14 +284,31 @@ def test_runs_whose_scores_differ_only_by_noise_choose_the_same_cap_every_time()
     assert len(lowest) == len(caps) and chosen == {1.0}
 
 
-def test_the_default_is_ddps_cap_made_smaller_for_a_model_it_would_cut_into_fewer_than_eight_buckets():
+def test_the_default_is_ddps_cap_or_an_eighth_of_a_smaller_models_gradients():
     assert tune.DEFAULT_MIN_BUCKETS == 8
-    # The bench's GPT-2 4x384 (28 MiB): 2 MiB cuts it like 1, 4 MiB into 7 buckets.
-    assert tune.default_cap([0.25, 1.0, 4.0, 8.0, 16.0, 32.0], [17, 13, 7, 4, 2, 1]) == 1.0
+    # The bench's GPT-2 4x384 (28 MiB of gradients; 2 MiB cuts it like 1): at most 3.5 MiB.
+    assert tune.default_cap([0.25, 1.0, 4.0, 8.0, 16.0, 32.0], 28.0) == 1.0
+    assert tune.default_cap([0.25, 1.0, 4.0, 8.0, 16.0, 32.0], 41.6) == 4.0   # its 6-layer sibling
     # A large model: the largest candidate under DDP's 25 MiB.
-    assert tune.default_cap([0.25, 1.0, 4.0, 16.0, 32.0], [2000, 500, 125, 32, 16]) == 16.0
-    # A model no candidate cuts into eight: the one with the most buckets.
-    assert tune.default_cap([0.25, 0.5, 1.0], [6, 3, 1]) == 0.25
+    assert tune.default_cap([0.25, 1.0, 4.0, 16.0, 32.0], 420.0) == 16.0
+    # A model whose eighth is under every candidate: the smallest.
+    assert tune.default_cap([0.25, 0.5, 1.0], 1.5) == 0.25
+
+
+def test_under_sharded_the_default_is_not_pushed_up_by_the_small_buckets_of_the_tail():
+    # Sharded cuts the end of backward's order into 1 MiB buckets: a 16 MiB cap has as many
+    # buckets as a 4 MiB one on the bench's model. The default goes by bytes, so it is the same.
+    import transformers
+
+    from hfstream.gradsync.buckets import plan_buckets
+
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=4, n_embd=384, n_head=6, vocab_size=512,
+                                                                     n_positions=128))
+    named = list(model.named_parameters())
+    for last in (None, 1.0):
+        cap = tune.AutoBucketCap(lambda c: plan_buckets(named, c, None, last), None, torch.device("cpu"))
+        assert cap.tuner.default_mb == 1.0, last
 
 
 def test_the_sweep_does_not_stop_before_it_has_scored_the_default():

@@ -9,8 +9,8 @@ one cap is kept for the rest of training; the choice is logged with the measurem
 The choice holds still (`choose`). Scores measured a minute apart differ by a few per cent for
 reasons no cap has (the machine's load drifts; a whole step's data varies), and a plain "lowest
 score wins" then picks a different cap in each run of the same job. So ``"auto"`` starts from a
-fixed default (`default_cap`: DDP's 25 MiB, made smaller for a model it would cut into fewer
-than `DEFAULT_MIN_BUCKETS` buckets) and leaves it only for a candidate that scores lower by
+fixed default (`default_cap`: DDP's 25 MiB, or an eighth of the gradients for a model of less
+than 8 x 25 MiB) and leaves it only for a candidate that scores lower by
 more than the noise: the larger of a median's noise (half the spread of the two candidates'
 scored steps over the root of their number) and `MIN_GAIN` (5 %) of the score. Among the
 candidates that beat the default so, it takes the one nearest the default (fewest doublings
@@ -63,8 +63,8 @@ from .buckets import DDP_BUCKET_MB
 logger = logging.getLogger(__name__)
 
 CANDIDATES_MB = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
-# The default cap cuts the model into at least this many buckets: with fewer, the last bucket
-# (reduced after backward, never hidden) is a large share of the gradients.
+# The default cap is at most this share of the model's gradients: with larger buckets the last one
+# (reduced after backward, never hidden) is a large share of them.
 DEFAULT_MIN_BUCKETS = 8
 # A candidate must beat the default by at least this share of the score, whatever its spread:
 # scores measured a minute apart differ by a few per cent for reasons no cap has.
@@ -80,21 +80,20 @@ class Score(NamedTuple):
     steps: int = 1
 
 
-def default_cap(caps_mb: Sequence[float], num_buckets: Sequence[int]) -> float:
+def default_cap(caps_mb: Sequence[float], gradient_mb: float) -> float:
     """The cap ``"auto"`` keeps unless a candidate is measurably faster (`choose`).
 
-    DDP's 25 MiB where the model is large; for a model that cap would cut into fewer than
-    `DEFAULT_MIN_BUCKETS` buckets, the largest candidate that still cuts it into that many (the
-    one with the most buckets if none does).
+    The largest candidate of at most DDP's 25 MiB and at most 1/`DEFAULT_MIN_BUCKETS` of the
+    model's gradients (the smallest candidate where none is that small). A share of the bytes, not
+    a count of buckets: a plan's count also has the small buckets its tail is cut into
+    (``last_bucket_mb``, sharded's default), more of them the larger the cap.
 
     Args:
         caps_mb: the candidate caps (`distinct_candidates`), increasing.
-        num_buckets: each candidate's bucket count.
+        gradient_mb: the model's gradients, in MiB.
     """
-    fits = [c for c, n in zip(caps_mb, num_buckets) if c <= DDP_BUCKET_MB and n >= DEFAULT_MIN_BUCKETS]
-    if fits:
-        return float(max(fits))
-    return float(max(zip(caps_mb, num_buckets), key=lambda cn: (cn[1], -cn[0]))[0])
+    fits = [c for c in caps_mb if c <= min(DDP_BUCKET_MB, gradient_mb / DEFAULT_MIN_BUCKETS)]
+    return float(max(fits) if fits else min(caps_mb))
 
 
 def _noise(a: Score, b: Score, min_gain: float) -> float:
@@ -359,7 +358,8 @@ class AutoBucketCap:
     def __init__(self, plan_for: Callable[[float], list], group, device: torch.device, whole_step: bool = False):
         self.group, self.device, self.whole_step = group, device, whole_step
         caps, counts = distinct_candidates(plan_for, CANDIDATES_MB)
-        self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank, default_mb=default_cap(caps, counts),
+        gradient_mb = sum(b.nbytes for b in plan_for(caps[0])) / 2**20
+        self.tuner = BucketTuner(caps, counts, agree=self._slowest_rank, default_mb=default_cap(caps, gradient_mb),
                                  **_settings(whole_step))
         self.scored = ("whole step: end of one finish() to the end of the next" if whole_step
                        else "first gradient hook to end of finish()")
