@@ -43,6 +43,7 @@ def _aggregate(per_rank_runs: list[dict]) -> dict:
     out["step_ms_all"] = [round(s["step_ms"], 3) for s in steps]
     first = per_rank_runs[0]
     out.update(kind=first["kind"], bucket_mb=first["bucket_mb"], buckets=first["buckets"],
+               tuning=first.get("tuning"),   # bucket_mb="auto": its scores, default and reason (every rank's alike)
                optimizer_state_bytes=max(r.get("optimizer_state_bytes", 0) for r in per_rank_runs))
     return out
 
