@@ -151,7 +151,7 @@ def test_doctor_on_a_path_without_a_report_says_what_to_pass(tmp_path, capsys):
     assert "is not a step report" in capsys.readouterr().err
 
 
-def _comm_bound(rank, world_size, tmp):
+def _comm_bound(rank, world_size, tmp, grad_sync="overlap", bucket_mb=float("inf")):
     # Many parameters, little compute: 2 x 1024 x 1024 fp32 weights (16 MiB of gradients) on a
     # batch of 2, in one bucket, so the all-reduce is all exposed after backward.
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -160,7 +160,7 @@ def _comm_bound(rank, world_size, tmp):
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=16, n_embd=512, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
     args = train_args(StreamTrainingArguments, f"{tmp}/comm", max_steps=10, per_device_train_batch_size=1,
-                      grad_sync="overlap", grad_bucket_mb=float("inf"), prefetch_depth=2)
+                      grad_sync=grad_sync, grad_bucket_mb=bucket_mb, prefetch_depth=2)
     trainer = StreamTrainer(model=model, args=args, train_dataset=lm_dataset(seq=8))
     trainer.train()
     return dict(trainer.stream_report())
@@ -181,6 +181,17 @@ def test_comm_bound_trainer_run_is_told_to_change_how_gradients_travel(tmp_path,
     assert all(a["saving"] >= MIN_SAVING for a in advice)
     assert all(a["predicted_step_ms"] <= mean["step_ms"] * (1 - MIN_SAVING) for a in advice
                if "predicted_ms_per_sample" not in a)
+
+
+@pytest.mark.multiprocess
+def test_a_serial_trainer_run_is_told_overlap_first_with_the_premise_it_checked(tmp_path, run_distributed):
+    reports = run_distributed(_comm_bound, 2, str(tmp_path), "serial", 1.0, init_process_group=False, timeout=300)
+    advice, mean = reports[0]["advice"], reports[0]["mean"]
+    assert mean["exposed_comm_ms"] > 0.25 * mean["step_ms"], mean   # serial: all of it after backward
+    assert advice and (advice[0]["setting"], advice[0]["value"]) == ("grad_sync", "overlap"), advice
+    assert advice[0]["premise"].startswith("under serial all ") and not advice[0]["changes_results"]
+    # Its buckets (1 MiB caps on 16 MiB) were timed one by one: the wire's premise was measured.
+    assert reports[0]["model"]["comm_scaling"] is not None, reports[0]["ruled_out"]
 
 
 def test_run_at_its_ceiling_trainer_run_gets_no_advice_worth_ten_percent(tmp_path, one_compute_thread):
