@@ -86,6 +86,8 @@ def falsify(cases, prop, smaller=None, budget: int = 60, kind=None) -> Counterex
     def fails(case) -> str | None:
         try:
             return prop(case)
+        except AssertionError as exc:   # a diagnosis (`Wrong`) raised inside the property: its own words
+            return str(exc)
         except Exception as exc:    # noqa: BLE001 - the learner's code raised on this case: that is a failure
             return f"{type(exc).__name__}: {exc}"
 

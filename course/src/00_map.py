@@ -2,10 +2,10 @@
 # # Lesson 00 — The map
 #
 # **Time:** 40 minutes. **Runs on:** any laptop (CPU). **You will:** derive what every later lesson
-# is measured against (the step's *ceiling*), predict a real step in four schedules (serial; data
-# and reduction overlapped with a short reduction, with a long one, and with slow data) before you
-# measure them against your predictions and their ceilings, and, last, write the checker that sorts
-# the real APIs behind "stream training" from invented ones by asking the installed packages.
+# is measured against (the step's *ceiling*), predict a real step in four schedules (serial; the
+# data prefetched; the reduction overlapped with backward; both) before you measure them against
+# your predictions and their ceiling, and, last, write the checker that sorts the real APIs behind
+# "stream training" from invented ones by asking the installed packages.
 #
 # ## Three things a training step waits for
 #
@@ -86,41 +86,53 @@ check("00.ceiling")
 # - **data**: producing one batch takes `data_ms`;
 # - **communication**: reducing the gradients takes `comm_ms`.
 #
-# The step runs in one of two schedules:
+# The step runs in one of four schedules, two choices made independently:
 #
-# - `"serial"`: each step produces its batch, then computes forward and backward, then waits
-#   `comm_ms` for the reduction, then runs the optimizer. Nothing overlaps.
-# - `"overlapped"`: a producer thread makes batches one after another, `data_ms` each, and keeps
-#   up to two finished batches waiting; a step takes the next one (and waits only if none is
-#   ready). The reduction starts, on its own thread, the moment backward starts; the optimizer
-#   waits for it and for backward.
+# - **the data**: without prefetching, each step produces its own batch before forward; with
+#   **prefetch**, a producer thread makes batches one after another, `data_ms` each, and keeps up
+#   to two finished batches waiting; a step takes the next one (and waits only if none is ready);
+# - **the reduction**: without overlapping, the step waits `comm_ms` after backward; with
+#   **overlap**, the reduction starts on its own thread the moment backward starts, and the
+#   optimizer waits for it and for backward.
+#
+# | schedule | the data | the reduction |
+# |---|---|---|
+# | `"serial"` | produced by the step | after backward |
+# | `"prefetch"` | produced ahead by a thread | after backward |
+# | `"overlap"` | produced by the step | beside backward |
+# | `"both"` | produced ahead by a thread | beside backward |
 #
 # Write `predict_step_ms(schedule, data_ms, forward_ms, backward_ms, comm_ms, optimizer_ms)`: the
 # time from one step's start to the next's, once the loop has run for a while (steady state), in
 # ms. Predict first: the cell after the exercise prints your predictions from the parts measured
 # alone, *then* runs the schedules and prints what the steps took. The check compares your
-# prediction for each scenario with the measured mean step (using the mean parts measured in
+# prediction for each schedule with the measured mean step (using the mean parts measured in
 # that same run); it passes within 15 % (+ 2 ms), and looks once more before failing, because a shared
-# machine has slow seconds.
+# machine has slow seconds. It also replays your function on drawn parts the measurement does not
+# reach: data slower than the compute, a reduction longer than backward.
 
 # %%
 def predict_step_ms(schedule, data_ms, forward_ms, backward_ms, comm_ms, optimizer_ms):
-    """Steady-state step time (ms) of `schedule` ("serial" or "overlapped") from its parts."""
+    """Steady-state step time (ms) of `schedule` ("serial", "prefetch", "overlap" or "both") from its parts."""
     # BEGIN SOLUTION
-    if schedule == "serial":
-        return data_ms + forward_ms + backward_ms + comm_ms + optimizer_ms
-    if schedule == "overlapped":
-        return max(data_ms, forward_ms + max(backward_ms, comm_ms) + optimizer_ms)
-    raise ValueError(f"schedule={schedule!r}: expected 'serial' or 'overlapped'")
+    if schedule not in ("serial", "prefetch", "overlap", "both"):
+        raise ValueError(f"schedule={schedule!r}: expected 'serial', 'prefetch', 'overlap' or 'both'")
+    if schedule in ("overlap", "both"):
+        compute = forward_ms + max(backward_ms, comm_ms) + optimizer_ms   # the reduction beside backward
+    else:
+        compute = forward_ms + backward_ms + comm_ms + optimizer_ms       # the reduction after backward
+    if schedule in ("prefetch", "both"):
+        return max(data_ms, compute)                                      # the producer works meanwhile
+    return data_ms + compute
     # END SOLUTION
 
 # %% [markdown]
 # ### First predict, then measure
 #
 # The next cell times the model's parts alone (the median of five steps), sets each scenario's
-# stand-ins from them (the data share is of forward + backward + optimizer, the communication
-# share of backward, so the four regimes are the same on a fast laptop and a slow one) and prints
-# your predictions. Write yours down. The cell after it runs the scenarios, two warm-up steps and six measured ones each.
+# stand-ins from them (the data takes half of forward + backward + optimizer, the reduction 0.6
+# of backward, in every schedule, so the schedules compare the same parts on a fast laptop and a
+# slow one) and prints your predictions. Write yours down. The cell after it runs the scenarios, two warm-up steps and six measured ones each.
 
 # %%
 from course.checks.lesson00 import SCENARIOS, measure_schedules
@@ -170,9 +182,11 @@ check("00.predict")
 # ### The figure: four schedules, measured against your prediction and the ceiling
 #
 # Bars are the measured steps (the mean of six, after two warm-up steps), dots your predictions from the parts of the
-# same run, dashes the ceiling of each. The overlapped step with a short reduction sits at its
-# ceiling; with a long one the link sets the step; with a slow producer the data does, and the
-# ceiling, which assumes the data keeps up, no longer describes the step. Data and communication
+# same run, dashes the ceiling of each (the same for all four: the parts are the same). Serial
+# pays every part; prefetch hides the data and overlap the reduction; only both reach the
+# ceiling, here the compute alone (the reduction is shorter than backward). With a reduction
+# longer than backward the link would set even the best step, and with a producer slower than the
+# compute the data would; the check's drawn cases hold your prediction to those too. Data and communication
 # here are sleeping stand-ins (no bytes move, no CPU is used); lessons 03 to 06 replace them with
 # a real prefetcher and real gloo all-reduces.
 
