@@ -247,3 +247,35 @@ def test_the_accumulation_advice_gives_the_time_per_sample_to_three_decimals_fro
 def test_the_facts_read_the_one_minute_load(monkeypatch):
     monkeypatch.setattr(os, "getloadavg", lambda: (1.25, 2.5, 5.0))
     assert facts_from_trainer(_trainer(types.SimpleNamespace(num_processes=2))).loadavg_1min == 1.25
+
+
+def _saved(exposed_s, run_s, save_async=False, nbytes=600e6, spare_cores=1.0):
+    from hfstream.report.advice import advise_report
+
+    report = {"mean": {"step_ms": 100.0, "steps": 10}, "spans": [],
+              "save": {"save_async": save_async, "saves": 3, "run_s": run_s, "exposed_s": exposed_s, "bytes": nbytes}}
+    return advise_report(report, RunFacts(grad_sync=None, world_size=1, spare_cores=spare_cores))
+
+
+def test_save_async_is_advised_where_blocking_saves_cost_the_run_more_than_five_percent():
+    report = _saved(exposed_s=6.0, run_s=60.0)   # 10 % of the run in saves
+    [save] = [a for a in report["advice"] if a["setting"] == "save_async"]
+    assert save["value"] is True and not save["changes_results"]
+    assert "10%" in save["premise"] and "saves" in save["premise"]
+    # What stays exposed: the snapshot (600 MB at the floor's 2 GB/s, 0.3 s), at least a tenth of the save.
+    assert save["saving"] == pytest.approx((6.0 - 0.6) / 60.0, abs=1e-3)
+    assert save["predicted_run_s"] == pytest.approx(60.0 - 6.0 + 0.6, abs=0.01)
+    big = _saved(exposed_s=6.0, run_s=60.0, nbytes=3e9)   # a 1.5 s snapshot
+    assert [a["saving"] for a in big["advice"]] == [pytest.approx((6.0 - 1.5) / 60.0, abs=1e-3)]
+    # No core free for the writer: half the blocking save stays exposed (docs/benchmarks.md's 2-core row).
+    busy = _saved(exposed_s=6.0, run_s=60.0, spare_cores=0)
+    assert [a["saving"] for a in busy["advice"]] == [pytest.approx(3.0 / 60.0, abs=1e-3)]
+    assert "no core is free" in busy["advice"][0]["reason"]
+
+
+def test_save_async_is_not_advised_under_five_percent_nor_when_already_on():
+    cheap = _saved(exposed_s=2.0, run_s=60.0)   # 3 %
+    assert not [a for a in cheap["advice"] if a["setting"] == "save_async"]
+    assert any("save_async=True: the 3 save(s) took 3.3% of the run" in w for w in cheap["ruled_out"]), cheap["ruled_out"]
+    already = _saved(exposed_s=6.0, run_s=60.0, save_async=True)
+    assert not [a for a in already["advice"] if a["setting"] == "save_async"]

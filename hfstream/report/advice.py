@@ -606,7 +606,7 @@ def advise_report(report: dict, facts: RunFacts) -> dict:
     mean = report.get("mean") or {}
     why: list[str] = []
     held: list[dict] = []
-    report["advice"] = advise(mean, facts, why, held)
+    report["advice"] = advise(mean, facts, why, held) + _save_advice(report.get("save"), facts, why)
     report["unchecked_advice"] = held
     efficiency = mean.get("efficiency")
     if isinstance(efficiency, (int, float)) and not math.isnan(efficiency) and efficiency >= 1 - MIN_SAVING:
@@ -623,6 +623,40 @@ def advise_report(report: dict, facts: RunFacts) -> dict:
                        "comm_slowdown": facts.comm_slowdown,
                        "comm_scaling": None if facts.comm_scaling is None else vars(facts.comm_scaling)}
     return report
+
+
+SAVE_SHARE = 0.05          # saves costing the run more than this are worth moving behind training
+SNAPSHOT_BYTES_PER_S = 2e9   # host copy of the checkpoint into the snapshot: slower than this machines' memcpy
+
+
+def _save_advice(save: dict | None, facts: RunFacts, why: list[str]) -> list[dict]:
+    """``save_async=True`` where blocking saves cost the run more than `SAVE_SHARE` of its time.
+
+    Premise: the run's own saves (the training thread's time in them against the run's). The
+    prediction: with a core free for the writer, what stays exposed is the snapshot, a host copy of
+    the checkpoint (its bytes at `SNAPSHOT_BYTES_PER_S`, a floor well under a memcpy's bandwidth) and
+    at least a tenth of the blocking save; with none free, half the blocking save (docs/benchmarks.md,
+    2 loaded cores: the snapshot alone 0.11x the blocking save, 0.50x exposed with the writer's wait).
+    """
+    if not save or not save.get("saves") or save.get("save_async") or not save.get("run_s"):
+        return []
+    share = save["exposed_s"] / save["run_s"]
+    if share <= SAVE_SHARE:
+        why.append(f"save_async=True: the {save['saves']} save(s) took {share:.1%} of the run "
+                   f"({save['exposed_s']:.2f} s of {save['run_s']:.1f} s), at most {SAVE_SHARE:.0%}")
+        return []
+    snapshot = save.get("bytes", 0) / SNAPSHOT_BYTES_PER_S
+    free = facts.spare_cores is None or facts.spare_cores >= 1
+    after = min(save["exposed_s"], max(snapshot, 0.10 * save["exposed_s"]) if free else 0.5 * save["exposed_s"])
+    saving = (save["exposed_s"] - after) / save["run_s"]
+    return [{"setting": "save_async", "value": True, "predicted_step_ms": None, "changes_results": False,
+             "saving": round(saving, 4), "predicted_run_s": round(save["run_s"] - save["exposed_s"] + after, 2),
+             "reason": f"the {save['saves']} blocking save(s) held training {save['exposed_s']:.2f} s, "
+                       f"{share:.0%} of the run; written behind training, about {after:.2f} s stays exposed ("
+                       + ("the snapshot into host memory" if free else "no core is free for the writer: it shares "
+                          "training's") + f"), {saving:.0%} of the run saved",
+             "premise": f"measured: the training thread spent {share:.0%} of the run in saves (more than "
+                        f"{SAVE_SHARE:.0%})"}]
 
 
 def _loaded_sentence(load: dict) -> str:

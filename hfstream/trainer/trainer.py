@@ -149,6 +149,7 @@ class StreamTrainerMixin:
             if path is not None and os.path.isdir(path):   # a missing one gets the Trainer's own message
                 check_checkpoint(path)
         self._watch("starting train() (preparing the model, the first collectives)")
+        self._train_began = time.perf_counter()   # the run's time, for the saves' share of it (the report)
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException:
@@ -656,9 +657,14 @@ class StreamTrainerMixin:
 
     def _save_report(self) -> dict:
         """This rank's saves for the step report: the training thread's time in them, per save and in all."""
+        from .save_async import snapshot_bytes
+
         times = self.save_times
+        scale = self.grad_sync.world_size if self._zero1_optimizer else 1
         return {"save_async": self.args.save_async, "saves": times["saves"],
-                "exposed_s": round(times["exposed_s"], 4),
+                "bytes": snapshot_bytes(self.model, self.optimizer, scale),   # the checkpoint's tensors
+                "run_s": round(time.perf_counter() - self._train_began, 4),
+                "exposed_s": round(times["exposed_s"], 4), "snapshot_s": round(times["snapshot_s"], 4),
                 "exposed_s_per_save": round(times["exposed_s"] / times["saves"], 4),
                 "wait_s": round(times["wait_s"], 4), "write_s": round(times["write_s"], 4)}
 
