@@ -739,6 +739,16 @@ def test_every_graded_exercise_of_lessons_00_to_04_and_09_has_three_wrong_learne
         assert counts[exercise] >= 3, (exercise, counts[exercise])
 
 
+@pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "09"])
+def test_every_case_states_the_property_it_checks(lesson):
+    from course.grading import lesson_exercises
+
+    for exercise in lesson_exercises(lesson):
+        for case in exercise.cases:
+            doc = (case.fn.__doc__ or "").strip()
+            assert doc.startswith("Property: ") and len(doc) > 60, (exercise.id, case.title, doc)
+
+
 @pytest.mark.parametrize("exercise", sorted(RIGHT))
 def test_the_reference_solution_passes(exercise, quiet_machine):
     source, titles = RIGHT[exercise]

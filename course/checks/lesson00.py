@@ -376,6 +376,7 @@ def _(learner):
                        "torchrun flags, read from torchrun's own argument parser",
                        "dataclass fields count, even those the class has no attribute for"])
 def _(learner):
+    """Property: `is_real` holds one True or False per claim, each what the installed packages say."""
     answers = learner.is_real
     if not isinstance(answers, dict) or not answers:
         raise Wrong("`is_real` should be a dict from each claim to True/False")
@@ -834,12 +835,21 @@ def _right(schedule, d, f, b, c, o):
 
 predict = Exercise("00.predict", uses=["predict_step_ms"], title="predict a step, then measure it")
 
+def _measured_case(name: str):
+    def case(learner):
+        return _grade_scenario(learner, name)
+
+    case.__doc__ = (f"Property: for the {name} schedule measured in the lesson's cell, the prediction from that "
+                    f"run's mean parts is within {TOLERANCE:.0%} (+ {TOLERANCE_MS:g} ms) of the mean step (measured "
+                    f"twice before it fails), and each part, made far longer than the rest, lengthens it as much")
+    return case
+
+
 for _name in SCENARIOS:
     predict.case(f"{_name}: your prediction within {TOLERANCE:.0%} of the measured step",
                  hint="replay one step on the described timeline: what does each part wait for, and what "
                       "runs beside what? In steady state the step is as long as its slowest chain",
-                 reveal=REVEAL_PREDICT[SCENARIOS[_name][0]], timeout=120.0)(
-        lambda learner, _n=_name: _grade_scenario(learner, _n))
+                 reveal=REVEAL_PREDICT[SCENARIOS[_name][0]], timeout=120.0)(_measured_case(_name))
 
 
 def _draw_schedules(seed: int = 3, count: int = 16) -> list[tuple]:

@@ -56,6 +56,8 @@ def _one_span(learner, rank=3, clock=None):
                reveal="start = self.clock() before the yield, end = self.clock() after it; "
                       "append (self.rank, lane, name, start, end) to self.spans")
 def _(learner):
+    """Property: one block on rank 3 leaves one tuple (3, lane, name, start, end), start and end the recorder's
+    clock read when the block begins and when it ends."""
     rec, clock = _one_span(learner)
     spans = list(rec.spans)
     if not spans:
@@ -90,6 +92,8 @@ def _(learner):
                     " use",
         reveal="default clock=time.perf_counter; keep seconds (hfstream spans and plot_timeline use seconds)")
 def _(learner):
+    """Property: without a clock argument, a 20 ms block's span lies within perf_counter's reading around it, in
+    seconds."""
     rec = learner.Spans()
     t0 = time.perf_counter()
     with rec.span("data", "data wait"):

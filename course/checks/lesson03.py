@@ -194,6 +194,7 @@ def _(learner):
                 hint="given max_steps, the loop must stop after that many steps",
                 reveal="loop while max_steps is None or len(steps) < max_steps", timeout=30)
 def _(learner):
+    """Property: max_steps=3 on a loader of 100 batches runs exactly 3 steps and returns 3 of each time."""
     calls = []
     out = learner.timed_epoch(list(range(100)), calls.append, max_steps=3)
     if len(calls) == 100:

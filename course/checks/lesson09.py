@@ -943,6 +943,7 @@ REVEAL_RUN = ("{'grad_sync': 'overlap', 'bucket_mb': min(caps, key=lambda cap: o
 @challenge.case(CONFIG_CASE,
                 hint="return a dict with grad_sync ('serial' or 'overlap'), bucket_mb (MiB) and prefetch_depth (int)")
 def _(learner):
+    """Property: final_run_config() names grad_sync, bucket_mb and prefetch_depth with values the lab runs."""
     cfg = learner.final_run_config()
     validate_config(cfg, "final_run_config()")
     return f"{cfg}"
@@ -988,6 +989,8 @@ def _measure(cfg: dict, seed: int = 0) -> dict:
                 after=["your overlapped step matches the planner's schedule", CONFIG_CASE], timeout=200.0,
                 reveal=REVEAL_RUN)
 def _(learner):
+    """Property: the learner's configuration, run on 2 gloo ranks over the lab's slow link, reaches a median
+    ceiling / step of at least THRESHOLD (measured a second time, steps pooled, when it lands just below)."""
     cfg = learner.final_run_config()
     validate_config(cfg, "final_run_config()")
     result = _measure(cfg)

@@ -139,6 +139,8 @@ def _rs_diagnose(got: torch.Tensor | None, rank: int, n: int, size: int, log: li
 @rs_ex.case("each rank ends with the mean of its own slice (2, 3 and 4 ranks, S = 3 and 1000)", hint=RS_HINT,
             reveal=RS_REVEAL, timeout=60)
 def _(learner):
+    """Property: on 2, 3 and 4 thread ranks and S = 3 and 1000, every rank r ends with the mean over the ranks of
+    slice r; the first rank that breaks it is named."""
     facts = _rs_facts(learner)
     for n, results in facts.items():
         for rank, per_size in enumerate(results):
@@ -216,6 +218,7 @@ def _(learner):
             hint="count what each rank sends: a peer needs only its own slice of your tensor", timeout=60,
             after="each rank ends with the mean of its own slice (2, 3 and 4 ranks, S = 3 and 1000)")
 def _(learner):
+    """Property: each rank puts (N-1)/N of its tensor's bytes on the wire, one slice to each peer."""
     facts = _rs_facts(learner)
     for n, results in facts.items():
         for rank, per_size in enumerate(results):
