@@ -32,7 +32,7 @@ import random
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -300,7 +300,8 @@ def run_drawn_step(draw: Draw, make_sync, timeout_s: float = 20.0) -> list[RankS
     after every hook, and its gradients after ``finish()``."""
     from course.checks.lesson10.threads import ThreadWorld
 
-    world = ThreadWorld(draw.world_size, timeout_s=3.0)     # a step takes milliseconds: a wait this long is a hang
+    # A step takes milliseconds: a wait this long is a hang; a rank whose peer raised stops waiting at once.
+    world = ThreadWorld(draw.world_size, timeout_s=3.0, fail_fast=True)
     steps: list[RankStep | None] = [None] * draw.world_size
     calls: dict[int, list[int]] = {r: [] for r in range(draw.world_size)}
 
@@ -332,6 +333,7 @@ def run_drawn_step(draw: Draw, make_sync, timeout_s: float = 20.0) -> list[RankS
                 sync.close()
         except BaseException as exc:      # reported by the check, which names it
             st.error, st.where = exc, where
+            world.fail(rank)
 
     with world.installed():
         inner = dist.all_reduce
@@ -360,6 +362,53 @@ def run_drawn_step(draw: Draw, make_sync, timeout_s: float = 20.0) -> list[RankS
             steps[r] = RankStep([], calls[r], {}, {}, TimeoutError(f"rank {r} did not finish within {timeout_s:.0f} s"),
                                 "finish")
     return steps
+
+
+def smaller_draws(draw: Draw):
+    """Smaller cases of the same model: fewer ranks (the rank that skips kept, renumbered into the smaller world),
+    no frozen parameter (when no bucket plan depends on which are trainable), no rank that skips."""
+    for world in (2, 3):
+        if world < draw.world_size:
+            skipped: dict[int, list[str]] = {}
+            for rank, names in draw.skipped.items():
+                skipped.setdefault(min(rank, world - 1), []).extend(names)
+            yield replace(draw, world_size=world, skipped=skipped)
+    if draw.frozen and not draw.buckets:
+        yield replace(draw, frozen=[])
+    if draw.skipped:
+        yield replace(draw, skipped={})
+
+
+def raise_smallest(pairs, check, make_sync, budget: int = 8) -> None:
+    """Run ``check`` (which raises `Wrong` on a list of ``(draw, steps)``) on each drawn case in turn; the first
+    that fails is shrunk (`smaller_draws`, each candidate run again on thread ranks and kept while it fails the
+    same way), and the smallest one's `Wrong` is raised, saying which drawn case it came from."""
+    from course.grading import Wrong
+
+    pairs = list(pairs)
+    for index, (draw, steps) in enumerate(pairs, 1):
+        try:
+            check([(draw, steps)])
+            continue
+        except Wrong as exc:
+            first = exc
+        kind = lambda w: re.sub(r"\d+", "#", str(w))[:30]          # noqa: E731
+        best, shrunk, calls, progress = first, False, 0, True
+        while progress and calls < budget:
+            progress = False
+            for candidate in smaller_draws(draw):
+                if calls >= budget:
+                    break
+                calls += 1
+                try:
+                    check([(candidate, run_drawn_step(candidate, make_sync))])
+                except Wrong as exc:
+                    if kind(exc) == kind(best):
+                        draw, best, shrunk, progress = candidate, exc, True, True
+                        break
+        note = (f" [drawn case {index} of {len(pairs)}, shrunk to a smallest one that still fails]" if shrunk
+                else f" [drawn case {index} of {len(pairs)}]")
+        raise Wrong(str(best) + note, reveal=best.reveal)
 
 
 def run_draws(draws: list[Draw], make_sync) -> list[tuple[Draw, list[RankStep]]]:

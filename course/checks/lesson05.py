@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course.checks.drawn import raise_smallest
 from course.grading import Exercise, Learner, Wrong, get_exercise, is_stub, load_module
 
 # --------------------------------------------------------------------------- shared tools
@@ -406,10 +407,11 @@ def _drawn_overlap(learner) -> tuple:
 
 def rank_error(draw, steps, what: str) -> str | None:
     """The first rank that raised, where, and the line of the learner's code; None when none raised."""
-    from course.checks.lesson10.threads import _your_line
+    from course.checks.lesson10.threads import PeerFailed, _your_line
 
     for rank, st in enumerate(steps):
-        if st.error is not None and not isinstance(st.error, TimeoutError) and "waited" not in str(st.error):
+        if (st.error is not None and not isinstance(st.error, (TimeoutError, PeerFailed))
+                and "waited" not in str(st.error)):
             text = str(st.error).strip().splitlines()
             return (f"rank {rank} raised {type(st.error).__name__} in {what if st.where == 'construct' else st.where}: "
                     f"{text[0] if text else ''}{_your_line(st.error)}")
@@ -419,10 +421,13 @@ def rank_error(draw, steps, what: str) -> str | None:
     return None
 
 
-def _check_drawn_overlap_launches(learner) -> None:
+def _check_drawn_overlap_launches(learner, pairs=None) -> None:
     """The end of OVERLAP_LAUNCH: on the drawn models, no hook or all-reduce for a frozen parameter, and each
     hook launches its own parameter's reduction before it returns, on every rank."""
-    for draw, steps in _drawn_overlap(learner):
+    if pairs is None:       # each drawn case in turn; the first that fails, shrunk
+        return raise_smallest(_drawn_overlap(learner), lambda p: _check_drawn_overlap_launches(learner, p),
+                              lambda model, d: learner.OverlapSync(model))
+    for draw, steps in pairs:
         crashed = rank_error(draw, steps, "OverlapSync(model)")
         if crashed and any(st.where == "construct" for st in steps) and draw.frozen:
             raise Wrong(f"a frozen parameter got a hook: {crashed}, on a model whose {', '.join(draw.frozen)} has "
@@ -442,11 +447,14 @@ def _check_drawn_overlap_launches(learner) -> None:
                                 f"launches its own parameter's reduction before it returns", reveal=HOOK_REVEAL)
 
 
-def _check_drawn_overlap_means(learner) -> None:
+def _check_drawn_overlap_means(learner, pairs=None) -> None:
     """The end of the parity case: on the drawn models, every rank holds the mean, frozen .grad None."""
     from course.checks.drawn import first_wrong_grad
 
-    for draw, steps in _drawn_overlap(learner):
+    if pairs is None:
+        return raise_smallest(_drawn_overlap(learner), lambda p: _check_drawn_overlap_means(learner, p),
+                              lambda model, d: learner.OverlapSync(model))
+    for draw, steps in pairs:
         crashed = rank_error(draw, steps, "OverlapSync(model)")
         if crashed:
             raise Wrong(f"{crashed} ({draw.describe()}). Hint: {FINISH_HINT}")
@@ -666,11 +674,14 @@ def _drawn_finish(learner) -> list:
     return learner.once("05.finish-drawn", compute)
 
 
-def _check_drawn_finish_on_time(learner) -> None:
+def _check_drawn_finish_on_time(learner, pairs=None) -> None:
     """The end of ORDER_CASE: on the drawn models, no hook returns with a ready head left unlaunched."""
     from course.checks.drawn import first_late_launch
 
-    for draw, steps in _drawn_finish(learner):
+    if pairs is None:
+        return raise_smallest(_drawn_finish(learner), lambda p: _check_drawn_finish_on_time(learner, p),
+                              lambda model, d: learner.OrderedOverlapSync(model))
+    for draw, steps in pairs:
         crashed = rank_error(draw, steps, "OrderedOverlapSync(model)")
         if crashed:
             raise Wrong(f"{crashed} ({draw.describe()}). Hint: {ORDER_HINT}")
@@ -682,11 +693,14 @@ def _check_drawn_finish_on_time(learner) -> None:
                         f"those reductions wait and overlap less", reveal=ORDER_REVEAL)
 
 
-def _check_drawn_finish_means(learner) -> None:
+def _check_drawn_finish_means(learner, pairs=None) -> None:
     """The end of the gloo case: on the drawn models, every rank (the one that skipped included) holds the mean."""
     from course.checks.drawn import first_wrong_grad
 
-    for draw, steps in _drawn_finish(learner):
+    if pairs is None:
+        return raise_smallest(_drawn_finish(learner), lambda p: _check_drawn_finish_means(learner, p),
+                              lambda model, d: learner.OrderedOverlapSync(model))
+    for draw, steps in pairs:
         crashed = rank_error(draw, steps, "OrderedOverlapSync(model)")
         if crashed:
             raise Wrong(f"{crashed} ({draw.describe()}). Hint: {ORDER_HINT}")

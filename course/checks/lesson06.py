@@ -523,20 +523,23 @@ def _drawn_buckets(learner) -> list:
     return learner.once("06.bucketed_sync-drawn", compute)
 
 
-def _drawn_crash(learner) -> None:
+def _drawn_crash(learner, pairs=None) -> None:
     from course.checks.lesson05 import rank_error
 
-    for draw, steps in _drawn_buckets(learner):
+    for draw, steps in (pairs if pairs is not None else _drawn_buckets(learner)):
         crashed = rank_error(draw, steps, "BucketedSync(model, buckets)")
         if crashed:
             raise Wrong(f"{crashed} ({draw.describe()}). Hint: {BUCKET_HINT}")
 
 
-def _check_drawn_on_time(learner) -> None:
+def _check_drawn_on_time(learner, pairs=None) -> None:
     """The end of LAUNCH_CASE: on the drawn plans, every bucket leaves with the hook that completes it."""
-    from course.checks.drawn import first_late_launch
+    from course.checks.drawn import first_late_launch, raise_smallest
 
-    for draw, steps in _drawn_buckets(learner):
+    if pairs is None:       # each drawn case in turn; the first that fails, shrunk
+        return raise_smallest(_drawn_buckets(learner), lambda p: _check_drawn_on_time(learner, p),
+                              lambda model, d: learner.BucketedSync(model, d.buckets))
+    for draw, steps in pairs:
         if any(st.error is not None for st in steps):
             continue          # a crash is named by UNUSED_CASE, after its rehearsal of a parameter without .grad
         late = first_late_launch(draw, steps, draw.buckets)
@@ -546,12 +549,15 @@ def _check_drawn_on_time(learner) -> None:
                         f"of the plan, before the hook returns", reveal=BUCKET_REVEAL)
 
 
-def _check_drawn_means(learner) -> None:
+def _check_drawn_means(learner, pairs=None) -> None:
     """The end of UNUSED_CASE: on the drawn plans, every rank holds the mean, the one that skipped included."""
-    from course.checks.drawn import first_wrong_grad
+    from course.checks.drawn import first_wrong_grad, raise_smallest
 
-    _drawn_crash(learner)
-    for draw, steps in _drawn_buckets(learner):
+    if pairs is None:
+        return raise_smallest(_drawn_buckets(learner), lambda p: _check_drawn_means(learner, p),
+                              lambda model, d: learner.BucketedSync(model, d.buckets))
+    _drawn_crash(learner, pairs)
+    for draw, steps in pairs:
         wrong = first_wrong_grad(draw, steps)
         if wrong:
             raise Wrong(f"{wrong} ({draw.describe()}). A parameter a rank did not use adds zeros to its bucket's "
