@@ -83,3 +83,18 @@ def test_bench_subcommands_are_wired(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--world-size", "0"])
     assert e.value.code == 2 and "--world-size" in capsys.readouterr().err
+
+
+def test_a_missing_optional_package_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from hfstream.cli.main import main
+
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import matplotlib fails as if not installed
+    assert main(["plan", "--plot", str(tmp_path / "plan.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("hfstream: matplotlib is not installed; it comes with hfstream's 'plots' extra: "
+                       "pip install 'hfstream[plots]'"), err
+    assert not any("Traceback" in line for line in err)

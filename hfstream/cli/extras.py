@@ -24,7 +24,7 @@ def require(module: str, extra: str) -> ModuleType:
         return importlib.import_module(module)
     except ModuleNotFoundError as exc:
         package = module.split(".")[0]
-        if exc.name != package:
+        if (exc.name or "").split(".")[0] != package:   # a module of another package is missing: not ours to name
             raise
         raise ModuleNotFoundError(f"{package} is not installed; it comes with hfstream's {extra!r} extra: "
                                   f"pip install 'hfstream[{extra}]'", name=package) from None

@@ -162,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return soak_main(argv[1:])
     ns = build_parser().parse_args(argv)
-    return int(ns.func(ns) or 0)
+    try:
+        return int(ns.func(ns) or 0)
+    except ModuleNotFoundError as exc:   # an optional package (`extras.require`): one line, not a traceback
+        if "pip install 'hfstream[" not in str(exc):
+            raise
+        print(f"hfstream: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
