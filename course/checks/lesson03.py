@@ -8,6 +8,7 @@ iterator runs in a helper thread with a deadline, so a hang becomes a hint inste
 from __future__ import annotations
 
 import math
+import queue
 import random
 import statistics
 import threading
@@ -352,26 +353,64 @@ def _(learner):
     return "depths 1, 2, 4 and sources of 0, 1, 3, 10 batches"
 
 
-class _Items:
-    """A loader of given items, pausing ``pauses[i]`` seconds before item i; it counts what it gave."""
+SLOW = -1.0            # a pause in `_Items` that outlasts any timeout the consumer waits with (`_OutlastGets`)
+SLOW_CAP_S = 2.0       # ... up to this long: a get() timeout of 2 s or less that ends the epoch is caught
 
-    def __init__(self, items, pauses):
-        self.items, self.pauses, self.given = list(items), list(pauses), 0
+
+class _OutlastGets:
+    """While installed, notes every ``queue.Queue.get`` with a timeout (the consumer's wait for a batch) and when
+    it would give up: a slow batch that pauses until then, and a little more, outlasts that wait whatever its
+    timeout, so a consumer that takes an empty queue for the end is caught, and one that blocks without a
+    timeout (the lesson's) costs the check 50 ms, not a second."""
+
+    def __init__(self):
+        self.give_up = 0.0
+
+    def __enter__(self):
+        self._get = get = queue.Queue.get
+        watch = self
+
+        def noted(q, block=True, timeout=None):
+            if block and timeout is not None:
+                watch.give_up = max(watch.give_up, time.monotonic() + min(float(timeout), SLOW_CAP_S))
+            return get(q, block, timeout)
+
+        queue.Queue.get = noted
+        return self
+
+    def __exit__(self, *exc):
+        queue.Queue.get = self._get
+        return False
+
+    def pause(self) -> float:
+        start = time.monotonic()
+        while time.monotonic() < max(start + 0.05, self.give_up + 0.1) and time.monotonic() < start + SLOW_CAP_S + 0.2:
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+
+class _Items:
+    """A loader of given items, pausing ``pauses[i]`` seconds before item i (SLOW: outlasting the consumer's
+    wait, `_OutlastGets`); it counts what it gave and how long it paused."""
+
+    def __init__(self, items, pauses, watch=None):
+        self.items, self.pauses, self.given, self.watch = list(items), list(pauses), 0, watch
+        self.paused = [0.0] * len(self.items)
 
     def __iter__(self):
-        for item, pause in zip(self.items, self.pauses):
-            if pause:
+        for k, (item, pause) in enumerate(zip(self.items, self.pauses)):
+            if pause == SLOW and self.watch is not None:
+                self.paused[k] = self.watch.pause()
+            elif pause > 0:
                 time.sleep(pause)
+                self.paused[k] = pause
             self.given += 1
             yield item
 
 
-SLOW_PAUSE_S = 1.1     # a loader this slow for one batch must not end the epoch (a get() with a timeout would)
-
-
 def _draw_item_sources(seed: int = 35, count: int = 5) -> list[tuple]:
     """``(items, pauses, depth)``: 1 to 6 items, None, 0 and [] among them, depths 1 to 4, short pauses (0 to 20
-    ms), and one source that pauses SLOW_PAUSE_S before its second batch."""
+    ms), and one source that pauses before its second batch longer than the consumer is willing to wait (SLOW)."""
     rng = random.Random(seed)
     out = []
     for k in range(count):
@@ -381,19 +420,22 @@ def _draw_item_sources(seed: int = 35, count: int = 5) -> list[tuple]:
             items[rng.randrange(n)] = None
         pauses = [0.0] * n if k % 2 else [rng.choice((0.0, 0.005, 0.02)) for _ in range(n)]
         if k == count - 1:
-            items, pauses = [object(), object(), object()], [0.0, SLOW_PAUSE_S, 0.0]
+            items, pauses = [object(), object(), object()], [0.0, SLOW, 0.0]
         out.append((tuple(items), tuple(pauses), rng.randint(1, 4)))
     return out
 
 
 def _describe_items(items) -> str:
-    return "[" + ", ".join(repr(i) if i is None or i == 0 or i == [] else "a batch" for i in items) + "]"
+    return "[" + ", ".join(repr(i) if i is None or (isinstance(i, (int, list)) and not i) else "a batch"
+                           for i in items) + "]"
 
 
 def _items_mistake(learner, case) -> str | None:
     items, pauses, depth = case
-    src = _Items(items, pauses)
-    done, got, err, _ = _within(_DEADLINE_S + sum(pauses), lambda: list(_call(learner, src, depth)))
+    with _OutlastGets() as watch:
+        src = _Items(items, pauses, watch)
+        done, got, err, _ = _within(_DEADLINE_S + SLOW_CAP_S + sum(p for p in pauses if p > 0),
+                                    lambda: list(_call(learner, src, depth)))
     if not done:
         return "list(prefetch(...)) never finished"
     if err is not None:
@@ -406,10 +448,11 @@ def _items_mistake(learner, case) -> str | None:
             return (f"your prefetcher ended at batch {k}, which is {items[k]!r}: a loader may yield None, 0 or an "
                     f"empty batch like any other; the end marker must be something no loader yields (a tagged "
                     f"tuple, or a unique object())")
-        if pauses[k] >= SLOW_PAUSE_S or (k + 1 < len(pauses) and pauses[k] > 0.5):
+        if pauses[k] == SLOW:
             return (f"your prefetcher ended after {k} batches while the loader was still preparing batch {k} (it "
-                    f"paused {pauses[k]:g} s): an empty queue means a slow loader, not the end. Only the end marker "
-                    f"ends the loop (a get() with a timeout that returns on queue.Empty ends a slow epoch early)")
+                    f"took {src.paused[k]:.2g} s, longer than your wait for it): an empty queue means a slow "
+                    f"loader, not the end. Only the end marker ends the loop (a get() with a timeout that returns "
+                    f"on queue.Empty ends a slow epoch early)")
         return f"a source of {len(items)} batches gave {len(got)}"
     return f"batch {k} came out as another object than the loader's"
 
@@ -420,7 +463,8 @@ def _items_mistake(learner, case) -> str | None:
                  after="yields the same batches, in order, read by a background thread", timeout=60)
 def _(learner):
     """Property: for drawn loaders (items that are None, 0 or empty among real ones, depths 1 to 4, pauses of 0 to
-    20 ms, and one batch that takes SLOW_PAUSE_S), the generator yields every item, the very objects, in order."""
+    20 ms, and one batch slower than the consumer waits for it, up to SLOW_CAP_S), the generator yields every item,
+    the very objects, in order."""
     cases = _draw_item_sources()
 
     def smaller(case):
@@ -435,7 +479,7 @@ def _(learner):
                                          else f"loader {_describe_items(case[0])}, depth={case[2]}: {why}"),
                     smaller=smaller, budget=4, kind=lambda m: m.split(": ", 1)[-1][:25])
     if found is None:
-        return f"{len(cases)} drawn loaders, one pausing {SLOW_PAUSE_S:g} s"
+        return f"{len(cases)} drawn loaders, one with a batch slower than the wait for it"
     raise Wrong(str(found))
 
 
