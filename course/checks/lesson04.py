@@ -606,7 +606,11 @@ def _parity_mistake(learner, case) -> str | None:
                     f"into {world} equal shards, one per rank (a cut into 2 leaves ranks 2 and up nothing)")
     with torch.no_grad():
         full = float(F.mse_loss(net(0)(x), y))
-        on_shard = lambda seed, r: float(F.mse_loss(net(seed)(x.chunk(world)[r]), y.chunk(world)[r]))  # noqa: E731
+
+    def on_shard(seed, r):
+        with torch.no_grad():
+            return float(F.mse_loss(net(seed)(x.chunk(world)[r]), y.chunk(world)[r]))
+
     close = lambda a, b: abs(a - b) <= 1e-5 * max(1.0, abs(b))                                      # noqa: E731
     firsts = [losses[0] for losses, _ in results]
     if all(close(f, full) for f in firsts):
