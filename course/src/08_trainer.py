@@ -258,7 +258,8 @@ print(f"(two launches took {time.perf_counter() - t0:.1f} s)")
 # communication and optimizer — is Python and Trainer work between the measured phases: callbacks,
 # moving inputs, the optimizer's bookkeeping, logging. On a tiny model on a CPU it is not small.
 #
-# The report is also a plain dict (`StreamReport`), so a script or a test can read it:
+# The report (`StreamReport`) is a typed object that reads as a mapping of its set fields
+# (`report["mean"]`, `dict(report)`, JSON as before), so a script or a test can read it:
 
 # %%
 print(json.dumps({k: report[k] for k in ("grad_sync", "prefetch_depth")}), "| mean:",

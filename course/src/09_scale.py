@@ -47,7 +47,7 @@ import torch.distributed as dist
 from course.lib import *
 import dataclasses
 from hfstream.plan import (PlanConfig, ModelShape, load_model, plan, predict_buckets, predict_row, overlap_limit,
-                                 allreduce_s, ring_factor, calibrated_tflops, calibrated_mem_bandwidth_gbs)
+                           allreduce_s, ring_factor, calibrated_tflops, calibrated_mem_bandwidth_gbs)
 from hfstream.plan import main as hfstream_plan   # `hfstream plan ...` on the command line
 
 # %% [markdown]
