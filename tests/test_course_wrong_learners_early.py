@@ -739,7 +739,7 @@ def test_every_graded_exercise_of_lessons_00_to_04_and_09_has_three_wrong_learne
         assert counts[exercise] >= 3, (exercise, counts[exercise])
 
 
-@pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "09"])
+@pytest.mark.parametrize("lesson", ["00", "01", "02", "03", "04", "05", "06", "07", "08", "09", "10"])
 def test_every_case_states_the_property_it_checks(lesson):
     from course.grading import lesson_exercises
 

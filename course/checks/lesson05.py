@@ -307,6 +307,10 @@ OVERLAP_LAUNCH = "one asynchronous all-reduce per parameter, launched from its h
 
 @overlap_hook.case(OVERLAP_LAUNCH, hint=HOOK_HINT, reveal=HOOK_REVEAL, timeout=150)
 def _(learner):
+    """Property: on 2 gloo ranks for 2 steps, each parameter that requires grad launches one asynchronous all-reduce of
+    its .grad from its own hook during backward, none twice; on 4 drawn models with frozen parameters (2 to 4 thread
+    ranks, every rank read), a frozen parameter gets no hook and no reduction, and each hook launches its own
+    parameter's reduction before it returns."""
     src = learner.source("OverlapSync")
     if "register_hook(" in src and "register_post_accumulate_grad_hook" not in src:
         raise Wrong("Tensor.register_hook fires with this backward's incoming gradient *before* it is "
@@ -349,6 +353,8 @@ def _(learner):
 @overlap_hook.case("after finish() every .grad is the mean over 2 gloo ranks, two steps in a row",
                    hint=FINISH_HINT, reveal=FINISH_REVEAL, after=OVERLAP_LAUNCH, timeout=150)
 def _(learner):
+    """Property: after finish() every .grad is the mean over the ranks, on both gloo ranks for 2 steps in a row, and on
+    every rank of 4 drawn models (2 to 4 thread ranks), a frozen parameter's .grad left None."""
     for rank, facts in enumerate(_overlap_facts(learner)["by_rank"]):
         _overlap_parity(rank, facts)
     _check_drawn_overlap_means(learner)
@@ -585,6 +591,9 @@ ORDER_CASE = "every rank launches the same reductions in the same order, unused 
 
 @ordered.case(ORDER_CASE, hint=ORDER_HINT, reveal=ORDER_REVEAL, timeout=60)
 def _(learner):
+    """Property: every rank launches the same reductions in the same order, rank 1 skipping `expert` included, some of
+    them during backward; on 6 drawn models (gradients out of the launch order, a drawn rank that skips, 2 to 4
+    thread ranks) no hook returns with a ready parameter at the head of self.order left unlaunched."""
     seqs = _ordered_fake(learner)
     problem = _diagnose_order(seqs)
     if problem:
@@ -632,6 +641,9 @@ def _ordered_rank(rank: int, world_size: int, path: str) -> dict:
 @ordered.case("2 gloo ranks, `expert` unused on rank 1: no hang, and .grad is the mean (zeros for the rank "
               "that skipped it)", hint=ORDER_HINT, reveal=ORDER_REVEAL, after=ORDER_CASE, timeout=150)
 def _(learner):
+    """Property: on 2 gloo ranks with `expert` unused on rank 1, 2 steps end without a hang and every rank's .grad is
+    the serial mean (the skipping rank counted as zeros); on 6 drawn models every rank, the one that skipped
+    included, holds the mean."""
     # after=ORDER_CASE: a launch pattern that would hang real ranks is reported above, never run here.
     ranks = cached("05.finish", learner,
                    lambda path: run_ranks(_ordered_rank, path, hint=ORDER_HINT, timeout=90, pg_timeout_s=20))

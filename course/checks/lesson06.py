@@ -112,6 +112,8 @@ PLAN_REVEAL = ("cap = bucket_mb * 2**20; for name, p in reversed(list(named_para
               hint="walk the parameters in reverse registration order, add each one whole to the open bucket, and "
                    "close the bucket once it holds at least the cap", reveal=PLAN_REVEAL)
 def _(learner):
+    """Property: the 7 parameters appear in reverse registration order, each in exactly one bucket: one bucket per
+    parameter at cap 0, a single bucket at cap inf."""
     named = _named()
     for cap in (0.0, math.inf):
         got = _normalise(learner.plan_buckets(named, cap), f"..., {cap}")
@@ -137,6 +139,9 @@ def _(learner):
               hint="weigh each parameter by its gradient's bytes and the cap in MiB; a bucket closes once it has "
                    "reached the cap, whole parameters only", reveal=PLAN_REVEAL)
 def _(learner):
+    """Property: walking the parameters in reverse registration order, a bucket closes as soon as its gradients' bytes
+    reach the cap (MiB, 2**20 bytes), whole parameters only, DDP's rule, at 7 caps on a toy model (caps reached
+    exactly and overflowed mid-parameter) and 2 on a 2-layer GPT-2."""
     named = _named()
     got = {cap: _normalise(learner.plan_buckets(named, cap), f"..., {cap:.6g}") for cap in CAPS_MB}
     want = {cap: _truth(named, cap) for cap in CAPS_MB}
@@ -177,6 +182,8 @@ OTHER_DTYPES = (torch.bfloat16, torch.float64)
                    "its own element type, whatever the dtype", reveal="p.numel() * p.element_size()",
               after="a bucket closes once it reaches the cap (bytes, MiB), never splitting a parameter")
 def _(learner):
+    """Property: a parameter weighs its elements times its own dtype's element size, so a bf16 and a float64 model at 3
+    caps get DDP's buckets for their bytes."""
     caps = [608 / MiB, 1600 / MiB, 3000 / MiB]
     for dtype in OTHER_DTYPES:
         named = [(n, torch.zeros(s, dtype=dtype)) for n, s in SHAPES]
@@ -304,6 +311,9 @@ PARITY_CASE = "after finish() every .grad is the mean over 2 gloo ranks (2 plans
 
 @bucketed.case(LAUNCH_CASE, hint=BUCKET_HINT, reveal=BUCKET_REVEAL, timeout=150)
 def _(learner):
+    """Property: on 2 plans for 2 steps, each step launches one asynchronous all-reduce per bucket, of its flat size,
+    in plan order, the first during backward; on 6 drawn plans (2 or 3 buckets, gradients out of order, a drawn rank
+    that skips, 2 to 4 thread ranks) each bucket leaves with the hook that completes it, on every rank."""
     facts = _bucketed_facts(learner)["plans"]
     for label, f in facts.items():
         want, nparams = f["buckets"], f["params"]
@@ -346,6 +356,8 @@ def _(learner):
 
 @bucketed.case(PARITY_CASE, hint=UNFLATTEN_HINT, reveal=UNFLATTEN_REVEAL, after=LAUNCH_CASE, timeout=150)
 def _(learner):
+    """Property: after finish() every .grad is the mean over the 2 gloo ranks, on both ranks, for 2 plans of 2 steps
+    each."""
     for rank, ranks_facts in enumerate(_bucketed_facts(learner)["by_rank"]):
         _bucketed_parity(rank, ranks_facts["plans"])
     return "parity with the serial all-reduce on both ranks"
@@ -488,6 +500,9 @@ def _unused_rank(rank: int, world_size: int, mod, rec) -> dict:
 
 @bucketed.case(UNUSED_CASE, hint=UNUSED_HINT, reveal=PACK_REVEAL, after=[LAUNCH_CASE, PARITY_CASE], timeout=150)
 def _(learner):
+    """Property: with `expert` unused on rank 1 and `spare` on both, every rank launches the same flat sizes and after
+    finish() every .grad holds the mean, on both gloo ranks for 2 steps and on every rank of 6 drawn plans with a
+    drawn rank skipping (2 to 4 thread ranks)."""
     problem = _diagnose_unused(_unused_fake(learner))
     if problem is not None:
         raise problem                 # found in this process: the real ranks are not started

@@ -134,6 +134,8 @@ ACCUM, ACCUM_STEPS = 4, 3
                         "block raises",
                    reveal="save require_backward_grad_sync, set it False, yield inside try, restore it in finally")
 def _(learner):
+    """Property: inside no_sync() require_backward_grad_sync is False, and on leaving it, normally or by an exception,
+    it is back to what it was before (True or False)."""
     sync = object.__new__(learner.AccumSync)      # no process group needed to test the flag
     sync.require_backward_grad_sync = True
     cm = sync.no_sync()
@@ -243,6 +245,8 @@ def _accumulation_error(res) -> None:
                    reveal="micro-steps 0..N-2 under sync.no_sync(), the last one outside it, then one finish()",
                    timeout=90)
 def _(learner):
+    """Property: on 2 gloo ranks accumulating 4 micro-batches per optimizer step, each optimizer step launches exactly
+    one all-reduce per parameter."""
     res = _run_accumulation(learner)
     _accumulation_error(res)
     n = res[0]["params"]
@@ -263,6 +267,8 @@ def _(learner):
                    reveal="divide each micro-batch's loss by the number of micro-batches; step and zero_grad once",
                    timeout=90)
 def _(learner):
+    """Property: 2 gloo ranks x 4 micro-batches give, step after step, the weights of one process training on the whole
+    batch (within PARITY_TOL)."""
     res = _run_accumulation(learner)
     _accumulation_error(res)
     ratio, diff = res[0]["ratio"], res[0]["diff"]
@@ -305,6 +311,8 @@ USE_EXTRA = [(True, True), (True, False), (False, False), (False, True)]
              reveal="[p for p in model.parameters() if p.requires_grad], reversed: parameters() already "
                     "yields a tied tensor once")
 def _(learner):
+    """Property: hooked_parameters(model) yields every parameter that requires grad exactly once (the tied weight
+    once), no frozen one, in reverse registration order, on a model with a tied and a frozen weight."""
     model = TiedBranchLM()
     sync = object.__new__(learner.RobustSync)     # only the method; no process group, no hooks
     got = list(sync.hooked_parameters(model))
@@ -367,6 +375,8 @@ def _unused_rank(rank, world_size, path):
                     "then wait for all and divide",
              timeout=90)
 def _(learner):
+    """Property: on 2 gloo ranks with a branch unused on one rank or on both, no rank hangs, the frozen layer never
+    moves, and every step's weights match one process's training (within PARITY_TOL)."""
     path = learner.module_file()
     try:
         res = run_on_ranks(_unused_rank, 2, path, timeout=RUN_TIMEOUT_S, pg_timeout_s=PG_TIMEOUT_S)
@@ -462,6 +472,9 @@ def _close(params, expected) -> bool:
            reveal="sync.finish(); norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); "
                   "optimizer.step(); optimizer.zero_grad(); return float(norm)")
 def _(learner):
+    """Property: synced_clip_step syncs once, then clips the averaged gradient by its own norm and steps, returning
+    that norm before clipping; with max_norm above the norm the step is plain SGD on the mean (a stand-in second
+    rank)."""
     max_norm = 0.05
     model, sync, opt, truth = _clip_setup(max_norm)
     assert truth["mean_norm"] > 2 * max_norm            # clipping really clips here
@@ -507,6 +520,7 @@ def _(learner):
            hint="the gradients this step used are still there when the next step's backward adds to them",
            reveal="optimizer.zero_grad() after optimizer.step()")
 def _(learner):
+    """Property: after synced_clip_step no parameter keeps a non-zero .grad for the next step's backward to add to."""
     model, sync, opt, _ = _clip_setup(0.05)
     learner.synced_clip_step(sync, model, opt, 0.05)
     left = [p.grad for p in model.parameters() if p.grad is not None and p.grad.abs().sum() > 0]

@@ -81,6 +81,8 @@ def _build(learner):
                    "the data and the settings you were given stay as they are",
               reveal="StreamTrainer(model=..., args=StreamTrainingArguments(...), train_dataset=...)")
 def _(learner):
+    """Property: stream_trainer() returns a StreamTrainer whose args are StreamTrainingArguments, on the model given
+    and its 64-example dataset."""
     from transformers import Trainer
 
     from hfstream import StreamTrainer, StreamTrainingArguments
@@ -103,6 +105,8 @@ def _(learner):
               hint="every setting of the stock TrainingArguments must reach the new arguments unchanged",
               reveal="copy each TrainingArguments setting of stock_trainer into StreamTrainingArguments unchanged")
 def _(learner):
+    """Property: every stock TrainingArguments setting of the script (KEPT) has the same value in the migrated
+    arguments."""
     from transformers import TrainingArguments
 
     trainer, _ = _build(learner)
@@ -123,6 +127,8 @@ def _(learner):
               reveal="prefetch_depth=2, grad_sync='overlap'; keep ddp_bucket_cap_mb=1 (hfstream reads it) or set "
                      "grad_bucket_mb=1")
 def _(learner):
+    """Property: the migrated arguments set prefetch_depth 2, grad_sync 'overlap' and an effective bucket cap of
+    1 MiB."""
     trainer, _ = _build(learner)
     args = trainer.args
     if args.prefetch_depth != 2:
@@ -141,6 +147,8 @@ def _(learner):
               hint="once the two names are swapped nothing else changes: it trains, and the step report exists",
               reveal="nothing else to change: StreamTrainer.train() then stream_report()", timeout=120)
 def _(learner):
+    """Property: the migrated trainer trains in one process for the stock max_steps, and stream_report() has a mean
+    with measured steps."""
     trainer, _ = _build(learner)
     with one_thread(), contextlib.redirect_stdout(io.StringIO()):   # the Trainer's log lines: not ours to show
         trainer.train()
@@ -243,6 +251,9 @@ def _answers(learner, report) -> dict:
                 "time in ms",
            reveal="m = report['mean']; efficiency = m['ideal_ms'] / m['step_ms']; headroom_ms = m['step_ms'] - m['ideal_ms']")
 def _(learner):
+    """Property: efficiency is the mean's ideal_ms / step_ms and headroom_ms its step_ms - ideal_ms, on the recorded
+    reports, four made from them (data-bound, communication mostly hidden, 12 ms untracked, ranks swapped) and the
+    learner's own launch's report when there is one."""
     for name, report in _cases(learner):
         got, want = _answers(learner, report), report_truth(report)
         rank0 = {"mean": report["per_rank"][0], "per_rank": report["per_rank"]}
@@ -269,6 +280,8 @@ def _(learner):
            reveal="other = step_ms - (data_wait + forward + backward + exposed_comm + optimizer); pick the largest "
                   "of data_wait_ms, exposed_comm_ms, other")
 def _(learner):
+    """Property: biggest names the largest of the mean's data wait, exposed communication and untracked rest (the step
+    minus every measured part), on the same reports."""
     for name, report in _cases(learner):
         got, want = _answers(learner, report), report_truth(report)
         b = got["biggest"]
@@ -294,6 +307,8 @@ def _(learner):
            hint="the slowest rank is the one whose step is longest",
            reveal="the index i of report['per_rank'] with the largest step_ms")
 def _(learner):
+    """Property: slowest_rank is the index in per_rank of the largest step_ms, on the same reports (one with the ranks'
+    rows swapped)."""
     for name, report in _cases(learner):
         got, want = _answers(learner, report), report_truth(report)
         if int(got["slowest_rank"]) != want["slowest_rank"]:
@@ -430,6 +445,9 @@ def _run_check_advice(learner, report: dict, after_ms: float) -> tuple[dict, _Re
                     "settings as StreamTrainingArguments takes them",
                reveal=ADVICE_REVEAL)
 def _(learner):
+    """Property: check_advice reruns once with the first advice's setting and value only, and returns that change as
+    applied, the first advice's prediction and the rerun's measured step, on a fixed report and 4 drawn ones whose
+    first advice is not the lowest prediction."""
     report = _advised(100.0, 60.0, 60.0)
     got, rerun = _run_check_advice(learner, report, 64.0)
     if not rerun.calls:
@@ -486,6 +504,8 @@ def _(learner):
                reveal=ADVICE_REVEAL, after="it applies the first piece of advice, and only that, and measures the "
                                            "run it gets back")
 def _(learner):
+    """Property: error is (predicted - measured) / measured, a fraction of the measured step: -4/64 for an advice
+    predicting 60 ms whose rerun measures 64 ms."""
     got, _ = _run_check_advice(learner, _advised(100.0, 60.0, 60.0), 64.0)
     err, want = float(got["error"]), (60.0 - 64.0) / 64.0
     if math.isclose(err, want, abs_tol=1e-9):
@@ -513,6 +533,8 @@ YOURS_CASE = "your own prediction, from the report's mean alone (a loader slower
                     "a step still needs both its batch and the rest of its own work",
                reveal=ADVICE_REVEAL)
 def _(learner):
+    """Property: mine_ms is max(step - data wait, data wait) from the report's mean alone, for a loader slower and one
+    faster than the rest of the step and on the 4 drawn reports, whatever the advice predicts or the rerun measures."""
     cases = ((100.0, 60.0), (100.0, 30.0))
     answers = []
     for step, wait in cases:

@@ -122,6 +122,8 @@ def _gather_layer(entry: dict, ptr: dict) -> int | None:
                 hint="cut each layer's parameters, flattened one after the other, into N equal slices that cover "
                      "all of them; self.mine[i] is this rank's", reveal=GATHER_REVEAL, timeout=60)
 def _(learner):
+    """Property: on each of 2 thread ranks, the buffers hold this rank's slice of every layer's flattened parameters, N
+    equal slices covering the layer, the last one padded (layer 0: 63 values in 2 slices of 32)."""
     results = _gather_facts(learner)
     for rank, res in enumerate(results):
         if res["layout"]:
@@ -131,6 +133,8 @@ def _(learner):
 
 @gather_ex.case(RESULT_CASE, hint=GATHER_HINT, reveal=GATHER_REVEAL, timeout=60, after=LAYOUT_CASE)
 def _(learner):
+    """Property: on both of 2 thread ranks, for 2 steps, after launch() and a forward every layer computes with the
+    gathered, updated values, and no hook is left behind."""
     results = _gather_facts(learner)
     for rank, res in enumerate(results):
         for s, st in enumerate(res["steps"], 1):
@@ -173,6 +177,8 @@ def _(learner):
                 reveal=GATHER_REVEAL, timeout=60,
                 after=RESULT_CASE)
 def _(learner):
+    """Property: on rank 0, launch() sends every layer's all-gather before the forward starts, first layer first, and
+    layer i waits, as it starts, for gather i and no later one."""
     results = _gather_facts(learner)
     res = results[0]
     n_layers, ptr = res["layers"], res["ptr"]

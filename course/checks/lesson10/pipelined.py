@@ -80,6 +80,8 @@ def _gathers(res: dict) -> list[dict]:
 
 @pipe_ex.case(VALUES_CASE, hint=PIPE_HINT, reveal=PIPE_REVEAL, timeout=60)
 def _(learner):
+    """Property: on 2 thread ranks with 4 buckets, every bucket's slice is stepped, its all-gather launched
+    asynchronously and its Work returned in bucket order, and each gathered buffer holds both ranks' stepped slices."""
     results = _pipe_facts(learner)
     n = len(P_SIZES)
     want = [torch.cat([_stepped(r)[i] for r in range(2)]) for i in range(n)]
@@ -125,6 +127,8 @@ def _(learner):
 @pipe_ex.case("each gather leaves as soon as its slice is stepped, in forward order, and nothing waits",
               hint=PIPE_HINT, reveal=PIPE_REVEAL, timeout=60, after=VALUES_CASE)
 def _(learner):
+    """Property: on rank 0 the events run step 0, gather 0, step 1, gather 1, ... (each gather launched as soon as its
+    slice is stepped, in forward order), and nothing waits on a gather."""
     res = _pipe_facts(learner)[0]
     n, ptr = len(P_SIZES), res["ptr"]
     log = res["log"]

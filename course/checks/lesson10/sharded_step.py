@@ -114,6 +114,8 @@ def _near(a: float, b: float) -> bool:
 @step_ex.case("it returns the whole gradient's 2-norm, the same number on every rank (2 and 4 ranks)",
               hint=STEP_HINT, reveal=STEP_REVEAL, timeout=60)
 def _(learner):
+    """Property: on 2 and 4 thread ranks, every rank returns the 2-norm of the whole gradient (all ranks' slices
+    together), the same number on each."""
     facts = _step_facts(learner)
     for n, results in facts.items():
         slices = step_slices(n)
@@ -161,6 +163,8 @@ def _(learner):
                     "this rank owns"), reveal=STEP_REVEAL, timeout=60,
               after="it returns the whole gradient's 2-norm, the same number on every rank (2 and 4 ranks)")
 def _(learner):
+    """Property: on 2 and 4 thread ranks, with clipping active and inactive, each rank changes only its own slice, to p
+    - lr x min(1, max_norm / global norm) x its gradient slice."""
     facts = _step_facts(learner)
     for n, results in facts.items():
         slices = step_slices(n)
