@@ -172,7 +172,10 @@ def test_a_replan_drops_the_old_plans_wire_buffers_before_the_new_plan_builds_it
     def build(previous):
         seen.append([(st.buffer, st.views, st.shard.received if st.shard is not None else None) for st in previous])
 
+    from hfstream.gradsync.sharded.reduction import ShardedReduction
+
+    strategy = object.__new__(ShardedReduction)   # its release() only: the buffers are the strategy's
     fake = SimpleNamespace(buckets=[SimpleNamespace(names=["a"])], _states=old, _build_states=build,
-                           _reset_step=lambda: None, _planner=SimpleNamespace(planned_mb=1))
+                           _reset_step=lambda: None, _planner=SimpleNamespace(planned_mb=1), reduction=strategy)
     GradSync._replan(fake, [SimpleNamespace(names=["b"])])
     assert seen == [[(None, [], None), (None, [], None)]]
