@@ -167,6 +167,7 @@ def _comm_bound(rank, world_size, tmp, grad_sync="overlap", bucket_mb=float("inf
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow   # 17 s, and its premise (a quarter of the step exposed) needs a quiet machine; the rules: test_advice_premises.py
 def test_comm_bound_trainer_run_is_told_to_change_how_gradients_travel(tmp_path, run_distributed):
     reports = run_distributed(_comm_bound, 2, str(tmp_path), init_process_group=False, timeout=300)
     for report in reports:   # every rank holds the same advice
@@ -184,6 +185,7 @@ def test_comm_bound_trainer_run_is_told_to_change_how_gradients_travel(tmp_path,
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow   # 17 s; serial's overlap-first rule is held in the default run by test_advice_premises.py
 def test_a_serial_trainer_run_is_told_overlap_first_with_the_premise_it_checked(tmp_path, run_distributed):
     reports = run_distributed(_comm_bound, 2, str(tmp_path), "serial", 1.0, init_process_group=False, timeout=300)
     advice, mean = reports[0]["advice"], reports[0]["mean"]

@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.multiprocess,
               pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")]
 
 
+@pytest.mark.slow   # 17 s; the slope's arithmetic and the refusals stay in the default run
 def test_threads_and_open_files_stay_flat_across_twelve_epochs():
     doc = soak(steps=48, every=4, warmup_steps=8, samples_n=32)       # 4 steps per epoch
     assert sorted(doc["per_rank"]) == sorted(doc["samples"]) and len(doc["per_rank"]) == 2, doc["per_rank"]
