@@ -30,7 +30,7 @@ class Planner:
         tune_whole_step: ``"auto"`` scores whole steps, not backward and finish() alone (`tune`).
 
     Attributes:
-        bucket_mb: the cap in use; under ``"auto"`` the string while tuning, then the chosen cap.
+        planned_mb: the cap of the plan in use (under ``"auto"``: the candidate tried, then the choice).
         tuning_result: the `TuningResult` once ``"auto"`` has chosen.
         arrival: the order gradients arrive in, recorded in the first synchronised step.
     """
@@ -45,13 +45,12 @@ class Planner:
         self.tuning_result: TuningResult | None = None
         self._auto: AutoBucketCap | None = None
         auto = bucket_mb == "auto"
-        self.bucket_mb: float | str = DDP_BUCKET_MB if auto else float(bucket_mb)
-        self.planned_mb = self.bucket_mb
+        self.planned_mb: float = DDP_BUCKET_MB if auto else float(bucket_mb)
         if auto and group is not None:
             # Every rank prunes the same candidates from the same model, so all agree on the
             # schedule without talking; only the final choice needs a collective (tune.py).
             self._auto = AutoBucketCap(self.plan, group, self.device, whole_step=tune_whole_step)
-            self.bucket_mb, self.planned_mb = "auto", self._auto.current_mb
+            self.planned_mb = self._auto.current_mb
 
     @property
     def tuning(self) -> BucketTuner | None:
@@ -81,7 +80,7 @@ class Planner:
         if self._auto is not None:
             cap, result = self._auto.step_finished()
             if result is not None:
-                self._auto, self.tuning_result, self.bucket_mb = None, result, result.bucket_mb
+                self._auto, self.tuning_result = None, result
             if cap != self.planned_mb or plan is not None:
                 self.planned_mb = cap
                 plan = self.plan()

@@ -476,11 +476,6 @@ class StreamTrainerMixin:
                        f"grad_sync='sharded' every step now waits for the parameter all-gathers before it, so "
                        f"they no longer overlap the forward. Compute such terms after the forward to keep it")
         if reads is not None:
-            if self.grad_sync.sync_pending:
-                # A backward that fired no hook for some parameter (an expert no token reached here)
-                # left its finish to the step's end; it comes first, so that every rank's reductions
-                # and gathers precede the agreement below in the same order.
-                self._backward_ended()
             here = reads.touched(self.grad_sync.hooked_parameters) or self._backwards > 1
             # Every rank gathers in every step, or none does: the step may read .grad on one rank only
             # (a log line on the main process), and a gather on that rank alone would wait forever.

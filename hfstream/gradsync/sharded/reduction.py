@@ -72,6 +72,7 @@ class ShardedReduction(Reduction):
         self._stepped_groups = None   # the param groups, while a pipelined step left them empty
         self._bucket_groups: list = []   # per bucket: its pieces per param group (`_install`)
         self._unhooked: list = []   # (name, parameter) the optimizer holds but GradSync does not hook (`attach`)
+        self._outside: list = []    # every parameter of the model GradSync does not hook (`attach`; the clip)
         # A further backward of the same step (FGM, two losses) adds its mean to the slices' mean
         # instead of replacing it, as .grad accumulates in stock; the Trainer sets it after the
         # step's first backward. _carried: bucket index -> the slice's mean before that backward.
@@ -184,6 +185,7 @@ class ShardedReduction(Reduction):
         # the sharded optimizer holds no piece of them (`_say_unhooked_gradients`).
         self._unhooked = [(names[id(p)], p) for group in optimizer.param_groups for p in group["params"]
                           if id(p) not in self._index and id(p) in names]
+        self._outside = [p for p in self.wiring.model.parameters() if id(p) not in self._index]
         self._build()
         self._install()
         w = self.wiring
@@ -329,10 +331,9 @@ class ShardedReduction(Reduction):
                 tensors.append(t)
                 owners.append((self._index[id(p)], pc.param_start == 0 and pc.param_end == p.numel()))
         # A parameter unfrozen since the optimizer was sharded: this rank's own gradient, as in stock's norm.
-        local = [p for p in self.wiring.model.parameters() if id(p) not in self._index and p.grad is not None]
         return shard_optim.clip_grad_norm_(tensors, owners, len(self.wiring.hooked), self.wiring.group, max_norm,
                                            norm_type, error_if_nonfinite, foreach,
-                                           self.states[0].plan.device if self.states else None, local)
+                                           self.states[0].plan.device if self.states else None, self._outside)
 
     @torch.no_grad()
     def grad_norms(self) -> dict[str, torch.Tensor]:
