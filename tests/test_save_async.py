@@ -384,3 +384,43 @@ def test_the_step_report_holds_the_exposed_save_time_per_save_and_in_all(tmp_pat
     import json
 
     assert json.loads(trainer.stream_report().to_json())["save"]["saves"] == 2
+
+
+# -- the snapshot's host buffers ----------------------------------------------------------------------
+def test_snapshot_buffers_hand_a_written_saves_buffers_to_the_next_snapshot_and_free_the_rest():
+    from hfstream.trainer.save_async import SnapshotBuffers
+
+    buffers = SnapshotBuffers()
+    first = [buffers.take(16), buffers.take(8)]
+    assert buffers.drop_rest() == first and buffers.held_bytes == 0   # in flight: not free
+    buffers.give_back(first)
+    assert buffers.held_bytes == 24
+    again = buffers.take(16)
+    assert again.data_ptr() == first[0].data_ptr()                    # the same size: the same buffer
+    assert buffers.take(4).data_ptr() not in {b.data_ptr() for b in first}
+    buffers.drop_rest()
+    assert buffers.held_bytes == 0                                    # the 8-byte one nobody took is freed
+
+
+def test_every_save_after_the_first_copies_into_the_first_saves_buffers(tmp_path, monkeypatch):
+    from hfstream.trainer import save_async
+
+    taken = []
+    init = save_async.AsyncSave.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        taken.append(sorted(b.data_ptr() for b in self.buffers))
+
+    monkeypatch.setattr(save_async.AsyncSave, "__init__", recording)
+    trainer = _trainer(tmp_path / "async", max_steps=6, save_async=True)
+    trainer.train()
+    blocking = _trainer(tmp_path / "blocking", max_steps=6)
+    blocking.train()
+    assert len(taken) == 3 and taken[0]
+    assert taken[1] == taken[0] and taken[2] == taken[0]   # no new host memory after the first save
+    for step in (2, 4, 6):                                  # and every checkpoint still stock's, byte for byte
+        _same_files(tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}")
+    report = trainer._save_report()
+    # One snapshot held between saves: the model's and optimizer's tensors, and the RNG states (a few KiB).
+    assert report["bytes"] <= trainer._snapshot_buffers.held_bytes <= report["bytes"] + 2**16

@@ -116,11 +116,12 @@ class StreamTrainerMixin:
         CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._zero1_optimizer else None,
                       self._note).install()
         # save_async (the checkpoint section below): the save in flight, the staging run dir while the
-        # stock save runs into it, and the seconds the saves cost: ``exposed_s`` is what the training
+        # stock save runs into it, the host buffers snapshots reuse, and the seconds the saves cost: ``exposed_s`` is what the training
         # thread spent on them (the whole save when blocking; snapshot, waits and renames when async),
         # ``write_s`` what the writer spent behind training.
         self._save_in_flight = None
         self._staging_run_dir: str | None = None
+        self._snapshot_buffers = None
         self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
                            "write_s": 0.0}
         self._save_exposed_logged = 0.0   # exposed_s already in a log line
@@ -526,7 +527,7 @@ class StreamTrainerMixin:
             return
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        from .save_async import STAGING_DIR, AsyncSave, DeferredWrites
+        from .save_async import STAGING_DIR, AsyncSave, DeferredWrites, SnapshotBuffers
 
         self._settle_save(wait=True)
         self.callback_handler.__dict__.pop("on_save", None)   # a deferral left by a save no on_save followed
@@ -534,14 +535,17 @@ class StreamTrainerMixin:
         folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging, final = os.path.join(run_dir, STAGING_DIR, folder), os.path.join(run_dir, folder)
         t0 = time.perf_counter()
-        self._make_room_for_snapshot(staging)
         on_device = self.args.device.type != "cpu"
+        if self._snapshot_buffers is None:
+            self._snapshot_buffers = SnapshotBuffers(pin=on_device)
+        self._make_room_for_snapshot(staging)
         self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
         try:
-            with DeferredWrites(pin=on_device) as deferred:
+            with DeferredWrites(self._snapshot_buffers) as deferred:
                 super()._save_checkpoint(model, trial)
         finally:
             self._staging_run_dir = None
+            taken = self._snapshot_buffers.drop_rest()
         if self.state.best_model_checkpoint == staging:   # stock named the folder it wrote: its final name
             self.state.best_model_checkpoint = final
             if self.args.should_save:
@@ -556,7 +560,7 @@ class StreamTrainerMixin:
         rotations = [dict(kw, output_dir=run_dir, best_model_checkpoint=self.state.best_model_checkpoint)
                      for kw in deferred.rotations]
         self._save_in_flight = AsyncSave(deferred.writes, staging, final, state=copy.deepcopy(self.state),
-                                         rotations=rotations, event=event).start()
+                                         rotations=rotations, event=event, buffers=taken).start()
         self.save_times["saves"] += 1
         self.save_times["snapshot_s"] += time.perf_counter() - t0
         self.save_times["exposed_s"] += time.perf_counter() - t0
@@ -576,7 +580,8 @@ class StreamTrainerMixin:
 
             shutil.rmtree(staging)
         scale = self.grad_sync.world_size if self._zero1_optimizer else 1
-        needed, available = snapshot_bytes(self.model, self.optimizer, scale), available_host_bytes()
+        needed = snapshot_bytes(self.model, self.optimizer, scale) - self._snapshot_buffers.held_bytes
+        available = available_host_bytes()
         short = available is not None and needed > available
         short_anywhere = short
         if self.args.world_size > 1:
@@ -625,6 +630,7 @@ class StreamTrainerMixin:
         if pending:
             return
         self._save_in_flight = None
+        self._snapshot_buffers.give_back(save.buffers)   # written: the next snapshot copies into them
         renamed = None   # why the rename failed, on the saving rank
         if self.args.should_save:
             from transformers.trainer import rotate_checkpoints
