@@ -384,6 +384,29 @@ def test_the_step_report_holds_the_exposed_save_time_per_save_and_in_all(tmp_pat
     import json
 
     assert json.loads(trainer.stream_report().to_json())["save"]["saves"] == 2
+    text = str(trainer.stream_report())
+    assert "saves: 2," in text and f"({save['exposed_s_per_save']:.3f} s a save" in text and "async: snapshot" in text
+
+
+def test_the_wait_for_the_last_write_at_the_end_of_train_is_reported_apart(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+
+    original = transformers.modeling_utils.safe_save_file
+
+    def slow(*args, **kwargs):   # the writer of step 4's save, which nothing trains behind
+        if threading.current_thread() is not threading.main_thread() and "checkpoint-4" in str(args[1]):
+            threading.Event().wait(0.5)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", slow)
+    trainer = _trainer(tmp_path, max_steps=4, save_async=True)
+    trainer.train()
+    save = trainer.stream_report()["save"]
+    assert 0.5 <= save["drain_s"] <= save["wait_s"] <= save["exposed_s"]
+    assert "the end of train()" in str(trainer.stream_report())
+    blocking = _trainer(tmp_path / "blocking", max_steps=4)
+    blocking.train()
+    assert "blocking (save_async=True" in str(blocking.stream_report())
 
 
 # -- the snapshot's host buffers ----------------------------------------------------------------------

@@ -1,9 +1,12 @@
-"""Exposed save time, blocking vs save_async=True, one process on CPU (docs/benchmarks.md's save rows).
+"""Exposed save time, blocking vs save_async=True, on CPU (docs/benchmarks.md's save rows).
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m slow tests/test_save_async_bench.py -s
 
-A GPT-2 from config (HFSTREAM_SAVE_BENCH_EMBD/LAYERS set its size), AdamW, a save every 4 steps;
-prints the training thread's time in saves and the mean step time with and without a write behind.
+A GPT-2 from config (HFSTREAM_SAVE_BENCH_EMBD/LAYERS set its size), AdamW, a save every 4 of 22
+steps (5 saves, two steps after the last); one process, and 2 gloo ranks under grad_sync="overlap".
+Prints, per rank 0: the training thread's time in each save (the first one allocates the snapshot's
+host buffers, the later ones reuse them), the wait for the last write at the end of train() apart,
+and the mean step time with and without a write behind.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from tiny import lm_dataset, train_args
 
 pytestmark = pytest.mark.slow
 
+STEPS, EVERY = 22, 4
+
 
 class StepTimes(TrainerCallback):
     def __init__(self):
@@ -32,32 +37,61 @@ class StepTimes(TrainerCallback):
         self.times.append((state.global_step, time.perf_counter() - self.t))
 
 
-def _run(out, save_async):
+def _run(out, save_async, grad_sync="native"):
     embd, layers = int(os.environ.get("HFSTREAM_SAVE_BENCH_EMBD", 512)), int(os.environ.get("HFSTREAM_SAVE_BENCH_LAYERS", 6))
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=8192, n_positions=64, n_embd=embd, n_layer=layers, n_head=8))
     trainer = StreamTrainer(model=model, train_dataset=lm_dataset(n=256, seq=32, vocab=8192),
-                            args=train_args(StreamTrainingArguments, out, max_steps=12, save_strategy="steps",
-                                            save_steps=4, save_async=save_async, prefetch_depth=0,
-                                            per_device_train_batch_size=2, logging_steps=100, optim="adamw_torch"))
+                            args=train_args(StreamTrainingArguments, out, max_steps=STEPS, save_strategy="steps",
+                                            save_steps=EVERY, save_async=save_async, prefetch_depth=0,
+                                            grad_sync=grad_sync, per_device_train_batch_size=2, logging_steps=100,
+                                            optim="adamw_torch", ddp_timeout=600))
     steps = StepTimes()
     trainer.add_callback(steps)
+    per_save = []
+    save_checkpoint = trainer._save_checkpoint
+
+    def timed(*args, **kwargs):   # the training thread's time in each save (a wait for the previous write included)
+        t0 = time.perf_counter()
+        save_checkpoint(*args, **kwargs)
+        per_save.append(time.perf_counter() - t0)
+
+    trainer._save_checkpoint = timed
     trainer.train()
-    size = sum(os.path.getsize(os.path.join(out, "checkpoint-4", f)) for f in os.listdir(os.path.join(out, "checkpoint-4")))
+    folder = os.path.join(out, f"checkpoint-{EVERY}")
+    size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
     params = sum(p.numel() for p in model.parameters())
-    return trainer.save_times, steps.times, size, params
+    return dict(trainer.save_times), per_save, steps.times, size, params
+
+
+def _line(save_async, times, per_save, steps, size, params) -> str:
+    after_save = [s for n, s in steps if n % EVERY == 1 and n > 1]   # the step a write runs behind
+    others = [s for n, s in steps if n % EVERY not in (0, 1)]
+    later = per_save[1:]
+    return (f"save_async={save_async}: {params / 1e6:.1f}M parameters, checkpoint {size / 1e9:.3f} GB, "
+            f"{times['saves']} saves: exposed {times['exposed_s']:.3f} s in all, {times['drain_s']:.3f} s of it the end "
+            f"of train(); per save {per_save[0]:.3f} s (first), {sum(later) / len(later):.3f} s (later, mean), "
+            f"{max(later):.3f} s (later, max); snapshot {times['snapshot_s']:.3f}, waits {times['wait_s']:.3f}, "
+            f"rename {times['commit_s']:.3f} s in all; writer {times['write_s']:.3f} s; step after a save "
+            f"{1000 * sum(after_save) / len(after_save):.0f} ms, other steps {1000 * sum(others) / len(others):.0f} ms")
 
 
 def test_exposed_save_time_blocking_vs_async(tmp_path):
     for save_async in (False, True):
-        times, steps, size, params = _run(str(tmp_path / str(save_async)), save_async)
-        after_save = [s for n, s in steps if n % 4 == 1 and n > 1]   # the step a write runs behind
-        others = [s for n, s in steps if n % 4 not in (0, 1)]
-        print(f"\nsave_async={save_async}: {params / 1e6:.1f}M parameters, checkpoint {size / 1e9:.3f} GB, "
-              f"{times['saves']} saves: exposed {times['exposed_s'] / times['saves']:.3f} s per save "
-              f"(snapshot {times['snapshot_s']:.3f}, wait {times['wait_s']:.3f}, rename {times['commit_s']:.3f} s in all; "
-              f"writer {times['write_s']:.3f} s); step after a save {1000 * sum(after_save) / len(after_save):.0f} ms, "
-              f"other steps {1000 * sum(others) / len(others):.0f} ms")
+        print("\none process, " + _line(save_async, *_run(str(tmp_path / str(save_async)), save_async)))
+
+
+def _ranks(rank, world_size, tmp):
+    return [_line(save_async, *_run(f"{tmp}/{save_async}", save_async, grad_sync="overlap"))
+            for save_async in (False, True)]
+
+
+def test_exposed_save_time_blocking_vs_async_on_2_ranks(tmp_path):
+    from hfstream.testing import run_on_ranks
+
+    for rank, lines in enumerate(run_on_ranks(_ranks, 2, str(tmp_path), timeout=1800)):
+        for line in lines:
+            print(f"\nrank {rank} of 2, " + line)
 
 
 def test_writer_thread_vs_forked_process_beside_training(tmp_path):

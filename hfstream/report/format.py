@@ -101,6 +101,7 @@ def format_report(report: dict[str, Any], title: str = "hfstream step report") -
                   "  all-gather: the previous step's, behind this forward; efficiency = cross-step limit / step"]
     else:
         lines.append("  ideal = forward + max(backward, comm busy) + optimizer (the ceiling); efficiency = ideal / step")
+    lines += _save_lines(report.get("save"))
     for note in report.get("notes") or ():
         lines.append(f"  note: {note}")
     lines += format_advice(report.get("advice"))
@@ -114,6 +115,21 @@ def format_report(report: dict[str, Any], title: str = "hfstream step report") -
                      f"advice unreliable above {load.get('limit_per_core')})"
                      + (": UNRELIABLE" if load.get("unreliable") else ""))
     return "\n".join(lines)
+
+
+def _save_lines(save: dict | None) -> list[str]:
+    """The checkpoint saves: the training thread's time in them, per save and in all (this rank's)."""
+    if not save or not save.get("saves"):
+        return []
+    n, exposed = save["saves"], save["exposed_s"]
+    line = (f"  saves: {n}, {exposed:.2f} s of the training thread's time ({exposed / n:.3f} s a save"
+            + (f", {100 * exposed / save['run_s']:.1f} % of the run)" if save.get("run_s") else ")"))
+    if save.get("save_async"):
+        line += (f"; async: snapshot {save['snapshot_s']:.2f} s, waits {save['wait_s']:.2f} s (the end of train() "
+                 f"{save.get('drain_s', 0.0):.2f} s), written behind training in {save['write_s']:.2f} s")
+    else:
+        line += "; blocking (save_async=True writes them behind training)"
+    return [line]
 
 
 def _wrap_item(reason: str) -> list[str]:

@@ -118,12 +118,13 @@ class StreamTrainerMixin:
         # save_async (the checkpoint section below): the save in flight, the staging run dir while the
         # stock save runs into it, the host buffers snapshots reuse, and the seconds the saves cost: ``exposed_s`` is what the training
         # thread spent on them (the whole save when blocking; snapshot, waits and renames when async),
-        # ``write_s`` what the writer spent behind training.
+        # ``write_s`` what the writer spent behind training, ``drain_s`` the wait for the last write at the end
+        # of train() (no step left to hide it behind).
         self._save_in_flight = None
         self._staging_run_dir: str | None = None
         self._snapshot_buffers = None
         self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
-                           "write_s": 0.0}
+                           "write_s": 0.0, "drain_s": 0.0}
         self._save_exposed_logged = 0.0   # exposed_s already in a log line
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
@@ -667,10 +668,13 @@ class StreamTrainerMixin:
                 "run_s": round(time.perf_counter() - self._train_began, 4),
                 "exposed_s": round(times["exposed_s"], 4), "snapshot_s": round(times["snapshot_s"], 4),
                 "exposed_s_per_save": round(times["exposed_s"] / times["saves"], 4),
-                "wait_s": round(times["wait_s"], 4), "write_s": round(times["write_s"], 4)}
+                "wait_s": round(times["wait_s"], 4), "drain_s": round(times["drain_s"], 4),
+                "write_s": round(times["write_s"], 4)}
 
     def _finalize_training(self, *args, **kwargs):
+        waited = self.save_times["wait_s"]
         self._settle_save(wait=True)
+        self.save_times["drain_s"] += self.save_times["wait_s"] - waited
         return super()._finalize_training(*args, **kwargs)
 
     # -- between steps ---------------------------------------------------------------------------------
