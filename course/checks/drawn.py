@@ -143,13 +143,14 @@ def world_sizes_below(n: int):
     return [w for w in (2, 3) if w < n]
 
 
-def run_thread_ranks(world_size: int, fn, wait_s: float = 3.0, timeout_s: float = 20.0):
+def run_thread_ranks(world_size: int, fn, wait_s: float = 3.0, timeout_s: float = 20.0, world=None):
     """``fn(rank)`` on ``world_size`` thread ranks with the course's stand-in for torch.distributed installed
     (lesson 10's `ThreadWorld`); returns ``(results, errors)``, one entry per rank. A rank whose peer raised stops
-    waiting for it at once (its error is a `PeerFailed`: `root_error` skips those)."""
+    waiting for it at once (its error is a `PeerFailed`: `root_error` skips those). Pass ``world`` (a `ThreadWorld`
+    made with ``fail_fast=True``) to read its log of launches and waits afterwards."""
     from course.checks.lesson10.threads import ThreadWorld
 
-    world = ThreadWorld(world_size, timeout_s=wait_s, fail_fast=True)
+    world = world if world is not None else ThreadWorld(world_size, timeout_s=wait_s, fail_fast=True)
     results, errors = [None] * world_size, [None] * world_size
 
     def body(rank):

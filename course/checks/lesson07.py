@@ -12,12 +12,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import random
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from course.checks.drawn import after_colon, falsify, root_error, run_thread_ranks
+from course.checks.lesson10.threads import ThreadWorld
 from course.grading import Exercise, Wrong, load_module
 from course.lib import TinyMLP
 from hfstream.testing import RankFailure, run_on_ranks
@@ -37,7 +41,7 @@ class TiedBranchLM(nn.Module):
     - ``extra`` is a branch that a step may skip (``use_extra=False``): its gradient never arrives.
     """
 
-    def __init__(self, vocab: int = 16, dim: int = 8, freeze: bool = True, seed: int = 0):
+    def __init__(self, vocab: int = 16, dim: int = 8, freeze: bool = True, seed: int = 0, tie: bool = True):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         self.embed = nn.Embedding(vocab, dim)
@@ -45,7 +49,8 @@ class TiedBranchLM(nn.Module):
         self.mix = nn.Linear(dim, dim)
         self.extra = nn.Linear(dim, dim)
         self.out = nn.Linear(dim, vocab, bias=False)
-        self.out.weight = self.embed.weight          # tied, as GPT-2's lm_head and wte
+        if tie:
+            self.out.weight = self.embed.weight      # tied, as GPT-2's lm_head and wte
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -287,6 +292,9 @@ def _(learner):
     if ratio and math.isclose(ratio[0], 1 / ACCUM, rel_tol=0.05):
         raise Wrong(f"your step is 1/{ACCUM} of the large-batch step: divide each micro-batch loss by the number of "
                     "micro-batches once, not the gradient again")
+    if ratio and math.isclose(ratio[0], 1 / len(res), rel_tol=0.05):
+        raise Wrong(f"your step is 1/{len(res)} of the large-batch step on {len(res)} ranks: you divided by the world "
+                    "size, which finish() already does when it turns the sum over the ranks into the mean")
     if diff and diff[0] < PARITY_TOL and any(d > PARITY_TOL for d in diff[1:]):
         raise Wrong("the first step matches but later ones do not: each step's backward adds onto the gradients "
                     "the step before left behind", reveal="optimizer.zero_grad() after optimizer.step()")
@@ -295,6 +303,222 @@ def _(learner):
     a, b = (r["diff"] for r in res)
     assert max(abs(x - y) for x, y in zip(a, b)) < PARITY_TOL, "the two ranks ended with different weights"
     return f"max difference {max(diff):.1e}"
+
+
+# --------------------------------------------------------------------------- drawn cases, on thread ranks
+# Each exercise's property is also checked on cases drawn from a seeded space (course/checks/drawn.py): 2, 3 and 4
+# ranks, float32 and float64, drawn model shapes, and per exercise the accumulation length, which rank skips the
+# branch at which step, a frozen or untied weight, a max_norm the gradient stays above or below. The ranks are threads
+# of this process (lesson 10's stand-in for torch.distributed): a case takes milliseconds, every rank's weights are
+# read and the rank that breaks the property is named; the first failing case is shrunk, and the hint shows it and
+# what the learner's code did, never the answer.
+DRAWN_CASES = 4         # per exercise, each of 2 optimizer steps: with shrinking, about a second on two cores
+DRAWN_STEPS = 2
+DRAWN_LR = 0.3
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return dict(rtol=1e-4, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-9, atol=1e-12)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _own_error(errors: list) -> tuple[int, str] | None:
+    """The first rank's own error as ``(rank, "Type: last line")``, not a peer's wait for it; None when none raised."""
+    found = root_error(errors)
+    if found is None:
+        return None
+    rank, exc = found
+    return rank, f"{type(exc).__name__}: {_last_line(exc)}"
+
+
+def _ratio(got: list[torch.Tensor], want: list[torch.Tensor], start: list[torch.Tensor]) -> float:
+    """How long the learner's step was, as a multiple of the right one (both from ``start``)."""
+    moved = math.sqrt(sum(float(((g - s).double() ** 2).sum()) for g, s in zip(got, start)))
+    right = math.sqrt(sum(float(((w - s).double() ** 2).sum()) for w, s in zip(want, start)))
+    return moved / right if right > 0 else math.nan
+
+
+@dataclass(frozen=True)
+class AccumDraw:
+    """One drawn 07.accumulation case: ``world_size`` ranks, each stepping once per ``accum`` micro-batches of 2
+    samples, on TinyMLP(dim, hidden, layers) in ``dtype``."""
+
+    world_size: int
+    accum: int
+    dtype: torch.dtype
+    dim: int
+    hidden: int
+    layers: int
+    seed: int
+
+    def __str__(self) -> str:
+        return (f"{self.world_size} ranks, {self.accum} micro-batch{'es' if self.accum != 1 else ''} per optimizer "
+                f"step, {_dtype_name(self.dtype)}, TinyMLP(dim={self.dim}, hidden={self.hidden}, layers={self.layers})")
+
+
+# (ranks, micro-batches): as many micro-batches as the old check's 4 in none of them, and never as many as ranks, so
+# that a step 1/N too short and one 1/accum too short tell apart
+ACCUM_SHAPES = ((3, 5), (2, 3), (4, 6), (2, 1))
+
+
+def draw_accumulation(seed: int = 7, count: int = DRAWN_CASES) -> list[AccumDraw]:
+    rng = random.Random(seed)
+    return [AccumDraw(n, a, (torch.float64, torch.float32)[k % 2], rng.randint(3, 7), rng.randint(4, 12),
+                      rng.randint(2, 4), rng.randrange(1000)) for k, (n, a) in enumerate(ACCUM_SHAPES[:count])]
+
+
+def _accum_model(case: AccumDraw) -> nn.Module:
+    return TinyMLP(dim=case.dim, hidden=case.hidden, layers=case.layers, seed=case.seed).to(case.dtype)
+
+
+def _accum_micro(case: AccumDraw, step: int, rank: int, k: int):
+    g = torch.Generator().manual_seed(case.seed * 1000 + 100 * step + 10 * rank + k)
+    x = torch.randn(2, case.dim, generator=g, dtype=torch.float64).to(case.dtype)
+    return x, torch.sin(3 * x)
+
+
+def _accum_reference(case: AccumDraw) -> list[list[torch.Tensor]]:
+    """The weights of one process after each step, its loss the mean over every rank's micro-batches."""
+    model, out = _accum_model(case), []
+    for step in range(DRAWN_STEPS):
+        micro = [_accum_micro(case, step, r, k) for r in range(case.world_size) for k in range(case.accum)]
+        (sum(mlp_loss(model, b) for b in micro) / len(micro)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(DRAWN_LR * p.grad)
+                p.grad = None
+        out.append([p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def _accum_ranks(learner, case: AccumDraw) -> tuple[list, list]:
+    """Every rank's steps: the micro-step each all-reduce was launched in (the one whose loss came last before it),
+    and the weights after each optimizer step."""
+    world = ThreadWorld(case.world_size, timeout_s=3.0, fail_fast=True)
+
+    def fn(rank):
+        model = _accum_model(case)
+        sync = learner.AccumSync(model)
+        opt = torch.optim.SGD(model.parameters(), lr=DRAWN_LR)
+        steps = []
+        for step in range(DRAWN_STEPS):
+            micro = [_accum_micro(case, step, rank, k) for k in range(case.accum)]
+            world.take(rank)
+
+            def loss_fn(m, batch):
+                world.note(rank, "micro-step")
+                return mlp_loss(m, batch)
+
+            learner.accumulation_step(model, sync, opt, micro, loss_fn)
+            k, launched_in = -1, []
+            for e in world.take(rank):
+                k += e["event"] == "micro-step"
+                if e["event"] == "launch" and e["kind"] == "all_reduce":
+                    launched_in.append(k)
+            steps.append({"launched_in": launched_in, "params": [p.detach().clone() for p in model.parameters()]})
+        return steps
+
+    return run_thread_ranks(case.world_size, fn, world=world)
+
+
+def _accum_mistake(learner, case: AccumDraw) -> str | None:
+    """None when every rank launches one all-reduce per parameter per step, all in the last micro-step, and ends
+    every step with the weights of one process on the whole batch; else what the first rank that did not did."""
+    results, errors = _accum_ranks(learner, case)
+    failed = _own_error(errors)
+    if failed is not None:
+        rank, err = failed
+        if "second gradient" in err:
+            return (f"rank {rank} raised {err}: a micro-step's backward fired a hook whose reduction was already "
+                    f"launched; while require_backward_grad_sync is False the hook returns without communicating")
+        return f"rank {rank} raised {err}"
+    n_params, a, n = 2 * case.layers, case.accum, case.world_size
+    ref = _accum_reference(case)
+    start = [p.detach().clone() for p in _accum_model(case).parameters()]
+    for rank, steps in enumerate(results):
+        launched = steps[0]["launched_in"]
+        if a > 1 and len(launched) == a * n_params:
+            return (f"rank {rank}: {len(launched)} all-reduces in one optimizer step = {a} micro-steps x {n_params} "
+                    f"parameters: it communicated on every micro-step, where one all-reduce per parameter, in the last "
+                    f"micro-step, is all the step needs")
+        if len(launched) != n_params:
+            return (f"rank {rank}: {len(launched)} all-reduces in one optimizer step of {a} micro-step(s), for "
+                    f"{n_params} parameters: one per parameter per optimizer step")
+        if any(k != a - 1 for k in launched):
+            return (f"rank {rank}: the all-reduces ran during micro-step {min(launched) + 1}'s backward, not the last "
+                    f"one's ({a}): they average only the gradients summed so far, and the micro-batches after it stay "
+                    f"on their own rank")
+    for s in range(DRAWN_STEPS):
+        before = start if s == 0 else ref[s - 1]
+        for rank, steps in enumerate(results):
+            got = steps[s]["params"]
+            if all(torch.allclose(x, w, **_tol(case.dtype)) for x, w in zip(got, ref[s])):
+                continue
+            if s > 0:
+                return (f"rank {rank}: the first optimizer step is right and the second is not: the second step's "
+                        f"backward adds onto gradients the first step left behind")
+            r = _ratio(got, ref[s], before)
+            near = lambda x: math.isclose(r, x, rel_tol=0.02)      # noqa: E731
+            if a > 1 and near(a):
+                return (f"rank {rank}: its step is {r:.2f} x the large-batch step, {a} x: the large batch's loss is the "
+                        f"mean of the {a} micro-batch losses, and each micro-batch's loss was not divided by their "
+                        f"number")
+            if a != 4 and near(a / 4):
+                return (f"rank {rank}: its step is {r:.2f} x the large-batch step, {a}/4: each micro-batch's loss was "
+                        f"divided by 4 whatever the number of micro-batches ({a} here), not by len(micro_batches)")
+            if a > 1 and near(1 / a):
+                return (f"rank {rank}: its step is 1/{a} of the large-batch step: the 1/{a} of the micro-batches was "
+                        f"applied twice (to each loss, and again to the gradient); once is the mean")
+            if near(1 / n):
+                return (f"rank {rank}: its step is 1/{n} of the large-batch step, 1/N for {n} ranks: it divided by the "
+                        f"world size, which finish() already does when it turns the sum over the ranks into the mean")
+            diff = max(float((x - w).abs().max()) for x, w in zip(got, ref[s]))
+            return (f"rank {rank}: after optimizer step {s + 1} the weights differ from one process training on every "
+                    f"rank's micro-batches by {diff:.3g} (its step is {r:.2f} x the right one)")
+    return None
+
+
+def _smaller_accum(case: AccumDraw):
+    for w in (2, 3):
+        if w < case.world_size:
+            yield replace(case, world_size=w)
+    for a in (1, 2, 3):
+        if a < case.accum:
+            yield replace(case, accum=a)
+    if case.dtype != torch.float32:
+        yield replace(case, dtype=torch.float32)
+    if case.layers > 2:
+        yield replace(case, layers=2)
+    if (case.dim, case.hidden) != (3, 4):
+        yield replace(case, dim=3, hidden=4)
+
+
+def _raise_drawn(cases, mistake, smaller, reveal: str) -> str:
+    """`falsify` over the drawn cases: the first that fails, shrunk, as a `Wrong` that shows it (not the answer)."""
+    found = falsify(cases, lambda c: None if (why := mistake(c)) is None else f"{c}: {why}", smaller=smaller,
+                    budget=12, kind=after_colon)
+    if found is not None:
+        raise Wrong(str(found), reveal=reveal)
+    return f"{len(cases)} drawn cases of {DRAWN_STEPS} steps, every rank read"
+
+
+@accumulation.case("drawn: 2, 3 and 4 ranks, 1 to 6 micro-batches, float32 and float64, every rank's weights",
+                   hint="one all-reduce per parameter per optimizer step, during the last micro-step's backward, and "
+                        "the large-batch step on every rank, whatever the number of ranks and micro-batches",
+                   reveal="n = len(micro_batches); micro-steps 0..n-2 under sync.no_sync(), the last outside it, each "
+                          "loss divided by n; then one finish(), step(), zero_grad()",
+                   timeout=90, after="two ranks x 4 micro-batches give the single-process large-batch step")
+def _(learner):
+    """Property: on drawn cases (2, 3 and 4 thread ranks, 1 to 6 micro-batches, float32 and float64, drawn TinyMLP
+    shapes), every rank launches exactly one all-reduce per parameter per optimizer step, all in the last micro-step,
+    and after each of 2 steps holds the weights of one process training on every rank's micro-batches."""
+    return _raise_drawn(draw_accumulation(), lambda c: _accum_mistake(learner, c), _smaller_accum,
+                        "n = len(micro_batches); with sync.no_sync() if k < n - 1 else contextlib.nullcontext(): "
+                        "(loss_fn(model, batch) / n).backward(); then sync.finish(); optimizer.step(); "
+                        "optimizer.zero_grad()")
 
 
 # --------------------------------------------------------------------------- 07.unused_and_tied
@@ -339,6 +563,183 @@ def _(learner):
     return f"{len(got)} tensors"
 
 
+@dataclass(frozen=True)
+class UnusedDraw:
+    """One drawn 07.unused_and_tied case: ``world_size`` ranks train TiedBranchLM(vocab, dim) in ``dtype`` for as
+    many steps as ``uses`` has rows; ``uses[s][r]``: rank r runs the ``extra`` branch at step s."""
+
+    world_size: int
+    dtype: torch.dtype
+    vocab: int
+    dim: int
+    freeze: bool
+    tie: bool
+    uses: tuple[tuple[bool, ...], ...]
+    seed: int
+
+    def __str__(self) -> str:
+        steps = "; ".join(f"at step {s + 1} `extra` runs on rank{'s' if sum(u) != 1 else ''} "
+                          f"{', '.join(str(r) for r, on in enumerate(u) if on) or 'none'}" for s, u in enumerate(self.uses))
+        return (f"{self.world_size} ranks, {_dtype_name(self.dtype)}, TiedBranchLM(vocab={self.vocab}, dim={self.dim}), "
+                f"{'frozen layer' if self.freeze else 'nothing frozen'}, {'tied' if self.tie else 'untied'} output; "
+                f"{steps}")
+
+
+def draw_unused(seed: int = 11, count: int = DRAWN_CASES) -> list[UnusedDraw]:
+    """2, 3 and 4 ranks (3 first); in each case a step where some ranks use the branch and others do not (which ones
+    drawn, not always the last), then a step drawn freely; a frozen layer in most, an untied output in some."""
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        n = (3, 4, 2, 3)[k % 4]
+        users = rng.sample(range(n), rng.randint(1, n - 1))
+        mixed = tuple(r in users for r in range(n))
+        free = tuple(rng.random() < 0.5 for _ in range(n))
+        out.append(UnusedDraw(n, (torch.float64, torch.float32)[k % 2], rng.randint(5, 12), rng.randint(3, 6),
+                              k % 4 != 2, k % 4 != 1, (mixed, free), rng.randrange(1000)))
+    return out
+
+
+def _unused_model(case: UnusedDraw) -> nn.Module:
+    return TiedBranchLM(case.vocab, case.dim, case.freeze, case.seed, case.tie).to(case.dtype)
+
+
+def _unused_ids(case: UnusedDraw, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(case.seed * 1000 + 10 * step + rank)
+    return torch.randint(0, case.vocab, (3, 5), generator=g)
+
+
+def _unused_reference(case: UnusedDraw) -> list[dict]:
+    """Per step: the weights before it, each rank's own gradient at them (zeros for a branch it skipped), and the
+    weights of one process after it, trained on every rank's batch with that rank's choice of branch."""
+    model, out = _unused_model(case), []
+    for s, uses in enumerate(case.uses):
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        local = []
+        for r in range(case.world_size):
+            lm_loss(model, _unused_ids(case, s, r), use_extra=uses[r]).backward()
+            local.append({n: (torch.zeros_like(p) if p.grad is None else p.grad.clone())
+                          for n, p in model.named_parameters() if p.requires_grad})
+            model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.requires_grad:
+                    p.sub_(DRAWN_LR * sum(loc[n] for loc in local) / case.world_size)
+        out.append({"start": start, "local": local, "after": {n: p.detach().clone() for n, p in model.named_parameters()}})
+    return out
+
+
+def _unused_ranks(learner, case: UnusedDraw) -> tuple[list, list]:
+    def fn(rank):
+        model = _unused_model(case)
+        sync = learner.RobustSync(model)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=DRAWN_LR)
+        steps = []
+        for s, uses in enumerate(case.uses):
+            lm_loss(model, _unused_ids(case, s, rank), use_extra=uses[rank]).backward()
+            sync.finish()
+            opt.step()
+            opt.zero_grad()
+            steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        if hasattr(sync, "close"):
+            sync.close()
+        return steps
+
+    return run_thread_ranks(case.world_size, fn)
+
+
+def _unused_mistake(learner, case: UnusedDraw) -> str | None:
+    """None when no rank raises or hangs and every rank ends every step with the weights of one process trained on
+    every rank's batch (the frozen layer unmoved); else what the first rank that did not did."""
+    results, errors = _unused_ranks(learner, case)
+    failed = _own_error(errors)
+    if failed is not None:
+        rank, err = failed
+        if "different type" in err or "dtype" in err:
+            return (f"rank {rank} raised {err.split(':')[0]} on a {_dtype_name(case.dtype)} model: the zero gradient "
+                    f"given to a parameter without one must have the parameter's dtype; torch.zeros(p.shape) is "
+                    f"float32 whatever the model is")
+        if "NoneType" in err and "wait" in err:
+            return (f"rank {rank} raised {err}: finish() waited on a reduction that was never launched: the unused "
+                    f"branch's hooks never fired, so the in-order launcher stopped there. Launch the rest from "
+                    f"finish()")
+        if "NoneType" in err:
+            return (f"rank {rank} raised {err}: a parameter this rank did not use has .grad None; give it zeros so it "
+                    f"contributes nothing to the mean and its all-reduce still happens")
+        if "waited" in err or "different sizes" in err:
+            return (f"rank {rank} raised {err}: the ranks did not launch the same all-reduces in the same order; a "
+                    f"parameter this rank did not use must still be reduced (zeros), in its place in the order")
+        return f"rank {rank} raised {err}"
+    ref = _unused_reference(case)
+    n = case.world_size
+    for s, truth in enumerate(ref):
+        skipped = [r for r in range(n) if not case.uses[s][r]]
+        for rank, steps in enumerate(results):
+            got = steps[s]
+            for name, value in got.items():
+                want = truth["after"][name]
+                if torch.allclose(value, want, **_tol(case.dtype)):
+                    continue
+                if name not in truth["local"][0]:
+                    return f"rank {rank}: the frozen {name} changed at step {s + 1}; it gets no gradient and no reduction"
+                applied = (truth["start"][name] - value) / DRAWN_LR
+                local = [loc[name] for loc in truth["local"]]
+                total = sum(local)
+                close = lambda x: torch.allclose(applied, x, rtol=1e-3, atol=1e-6)     # noqa: E731
+                if n != 2 and close(total / 2):
+                    return (f"rank {rank}: at step {s + 1} {name} moved by the sum over the {n} ranks divided by 2: "
+                            f"the mean divides by the world size, whatever it is")
+                lost = [r for r in skipped if bool(local[r].abs().sum() > 0)]
+                if lost and close(sum(local[r] for r in range(n) if r not in lost) / n):
+                    return (f"rank {rank}: at step {s + 1} {name} moved by the mean without the gradient of rank"
+                            f"{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}, which skipped `extra` but "
+                            f"used {name}: that gradient had arrived, waiting behind the unused branch in the launch "
+                            f"order, and was overwritten with zeros; zeros go only where .grad is None")
+                if close(local[rank]):
+                    return f"rank {rank}: at step {s + 1} {name} moved by this rank's own gradient, never averaged"
+                diff = float((value - want).abs().max())
+                return (f"rank {rank}: after step {s + 1} {name} differs from one process training on every rank's "
+                        f"batch by {diff:.3g}")
+    return None
+
+
+def _smaller_unused(case: UnusedDraw):
+    for w in (2, 3):
+        if w < case.world_size:
+            # keep a rank that uses the branch and one that does not, at the step that mixes them
+            mixed = case.uses[0]
+            keep = [mixed.index(True), mixed.index(False)]
+            keep += [r for r in range(case.world_size) if r not in keep][:w - 2]
+            keep.sort()
+            yield replace(case, world_size=w, uses=tuple(tuple(u[r] for r in keep) for u in case.uses))
+    if len(case.uses) > 1:
+        yield replace(case, uses=case.uses[:1])
+    if case.dtype != torch.float32:
+        yield replace(case, dtype=torch.float32)
+    if case.freeze:
+        yield replace(case, freeze=False)
+    if not case.tie:
+        yield replace(case, tie=True)
+    if (case.vocab, case.dim) != (5, 3):
+        yield replace(case, vocab=5, dim=3)
+
+
+@unused.case("drawn: 2, 3 and 4 ranks, which rank skips the branch, frozen or not, tied or not, float32 and float64",
+             hint="a parameter a rank did not use is still reduced, with zeros like the parameter, in its place in "
+                  "the order; one that had a gradient keeps it; the mean divides by the world size",
+             reveal="finish(): for i from self.next on: p = self.params[i]; if p.grad is None: p.grad = "
+                    "torch.zeros_like(p); self._launch(i); then wait for each work and divide by self.world_size",
+             timeout=90, after="each trainable tensor once, frozen ones skipped, in reverse registration order")
+def _(learner):
+    """Property: on drawn cases (2, 3 and 4 thread ranks, drawn ranks skipping the branch at each of 2 steps, a frozen
+    layer or not, a tied output or not, float32 and float64, drawn sizes), no rank raises or hangs, and every rank
+    ends every step with the weights of one process trained on every rank's batch, the frozen layer unmoved."""
+    return _raise_drawn(draw_unused(), lambda c: _unused_mistake(learner, c), _smaller_unused,
+                        "finish(): while self.next < len(self.params): p = self.params[self.next]; if p.grad is None: "
+                        "p.grad = torch.zeros_like(p); self._launch(self.next); then for p, work in zip(self.params, "
+                        "self.works): work.wait(); p.grad.div_(self.world_size); self._reset()")
+
+
 def _unused_rank(rank, world_size, path):
     mod = load_module(path)
     model = TiedBranchLM()
@@ -369,6 +770,8 @@ def _unused_rank(rank, world_size, path):
 
 
 @unused.case("two ranks, a branch unused on one rank or both: parity with one process, no hang",
+             after="drawn: 2, 3 and 4 ranks, which rank skips the branch, frozen or not, tied or not, float32 and "
+                   "float64",
              hint="a parameter whose gradient never came must still be reduced, on every rank and in the same order,"
                   " or a rank waits forever",
              reveal="finish(): launch every parameter not launched yet, in order, with zeros where .grad is None; "
@@ -527,6 +930,187 @@ def _(learner):
     if left:
         raise Wrong("gradients are still there after your step: the next step's backward adds onto them",
                     reveal="optimizer.zero_grad() after optimizer.step()")
+
+
+class MeanSync:
+    """The sync the drawn clip cases hand the learner, one per thread rank: ``finish()`` all-reduces every ``.grad``
+    there is and divides it by the world size; it notes the norm of this rank's own gradient when called."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.calls = 0
+        self.norm_seen = None
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        self.calls += 1
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.norm_seen = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+        for g in grads:
+            dist.all_reduce(g)
+            g.div_(dist.get_world_size())
+
+
+@dataclass(frozen=True)
+class ClipDraw:
+    """One drawn 07.clip_after_sync case: ``world_size`` ranks, TinyMLP(dim, hidden, layers) in ``dtype`` with its
+    first layer frozen or not, and ``max_norm`` = ``scale`` x the averaged gradient's norm (below 1: clipping
+    clips)."""
+
+    world_size: int
+    dtype: torch.dtype
+    dim: int
+    hidden: int
+    layers: int
+    frozen: bool
+    scale: float
+    seed: int
+
+    def __str__(self) -> str:
+        return (f"{self.world_size} ranks, {_dtype_name(self.dtype)}, TinyMLP(dim={self.dim}, hidden={self.hidden}, "
+                f"layers={self.layers}){', its first layer frozen' if self.frozen else ''}, max_norm {self.scale:g} x "
+                f"the averaged gradient's norm")
+
+
+def draw_clip(seed: int = 13, count: int = DRAWN_CASES) -> list[ClipDraw]:
+    """3, 2 and 4 ranks; max_norm a drawn fraction of the norm (clipping), or above it, in turn; a frozen first layer
+    in every other case."""
+    rng = random.Random(seed)
+    return [ClipDraw((3, 2, 4, 3)[k % 4], (torch.float64, torch.float32)[k % 2], rng.randint(3, 7), rng.randint(4, 12),
+                     rng.randint(2, 4), k % 2 == 0, rng.choice((0.1, 0.3, 0.5)) if k % 4 != 3 else 2.0,
+                     rng.randrange(1000)) for k in range(count)]
+
+
+def _clip_model(case: ClipDraw) -> nn.Module:
+    model = TinyMLP(dim=case.dim, hidden=case.hidden, layers=case.layers, seed=case.seed).to(case.dtype)
+    if case.frozen:
+        model.layers[0].requires_grad_(False)
+    return model
+
+
+def _clip_batch(case: ClipDraw, rank: int):
+    g = torch.Generator().manual_seed(case.seed * 100 + rank)
+    x = torch.randn(3, case.dim, generator=g, dtype=torch.float64).to(case.dtype) * (1 + rank)
+    return x, torch.sin(3 * x)
+
+
+def _norm(grads) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([g.double().norm() for g in grads])))
+
+
+def _clip_truth(case: ClipDraw) -> dict:
+    """Each rank's own gradient, their mean and its norm, max_norm, and the weights after the right step and after
+    clipping each rank's gradient before averaging."""
+    model = _clip_model(case)
+    params = [p for p in model.parameters() if p.requires_grad]
+    local = []
+    for r in range(case.world_size):
+        mlp_loss(model, _clip_batch(case, r)).backward()
+        local.append([p.grad.clone() for p in params])
+        model.zero_grad(set_to_none=True)
+    mean = [sum(gs) / case.world_size for gs in zip(*local)]
+    norm = _norm(mean)
+    max_norm = case.scale * norm
+    clip = lambda gs: [g * min(1.0, max_norm / (_norm(gs) + 1e-6)) for g in gs]      # noqa: E731
+    start = [p.detach().clone() for p in params]
+    step = lambda gs: [p - DRAWN_LR * g for p, g in zip(start, gs)]                    # noqa: E731
+    first = [sum(gs) / case.world_size for gs in zip(*(clip(loc) for loc in local))]
+    return dict(local=local, norm=norm, max_norm=max_norm, start=start, want=step(clip(mean)), clip_first=step(first),
+                unclipped=step(mean), scaled=step([g * max_norm / (norm + 1e-6) for g in mean]),
+                local_norms=[_norm(loc) for loc in local])
+
+
+def _clip_ranks(learner, case: ClipDraw, max_norm: float) -> tuple[list, list]:
+    def fn(rank):
+        model = _clip_model(case)
+        mlp_loss(model, _clip_batch(case, rank)).backward()
+        sync = MeanSync(model)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=DRAWN_LR)
+        got = learner.synced_clip_step(sync, model, opt, max_norm)
+        return {"norm": got, "calls": sync.calls, "norm_seen": sync.norm_seen,
+                "params": [p.detach().clone() for p in model.parameters() if p.requires_grad],
+                "grads_left": any(p.grad is not None and bool(p.grad.abs().sum() > 0) for p in model.parameters())}
+
+    return run_thread_ranks(case.world_size, fn)
+
+
+def _clip_mistake(learner, case: ClipDraw) -> str | None:
+    """None when every rank syncs once, returns the averaged gradient's norm before clipping, steps with that
+    gradient clipped to max_norm, and leaves no gradient behind; else what the first rank that did not did."""
+    truth = _clip_truth(case)
+    results, errors = _clip_ranks(learner, case, truth["max_norm"])
+    failed = _own_error(errors)
+    if failed is not None:
+        rank, err = failed
+        if "NoneType" in err and case.frozen:
+            return (f"rank {rank} raised {err}: a frozen parameter has no .grad; the norm is over the gradients there "
+                    f"are (clip_grad_norm_ skips a parameter whose .grad is None)")
+        return f"rank {rank} raised {err}"
+    close = lambda got, want: all(torch.allclose(a, b, **_tol(case.dtype)) for a, b in zip(got, want))  # noqa: E731
+    near = lambda a, b: math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-9)                                    # noqa: E731
+    clips = truth["max_norm"] < truth["norm"]
+    for rank, res in enumerate(results):
+        if res["calls"] != 1:
+            return f"rank {rank}: sync.finish() was called {res['calls']} times; once per optimizer step"
+        if clips and res["norm_seen"] is not None and near(res["norm_seen"], truth["max_norm"]):
+            return (f"rank {rank}: the gradient had already been clipped when finish() was called: each rank clipped "
+                    f"its own gradient by its own norm, and their average is not the clipped average")
+        got = res["params"]
+        if not close(got, truth["want"]):
+            if clips and close(got, truth["clip_first"]):
+                return (f"rank {rank}: its weights are those of clipping each rank's gradient before averaging; the "
+                        f"norm to clip by is the averaged gradient's, after finish()")
+            if not clips and close(got, truth["scaled"]):
+                return (f"rank {rank}: max_norm is above the averaged gradient's norm, and the gradient was scaled up "
+                        f"to max_norm; clipping only ever shrinks a gradient")
+            if clips and close(got, truth["unclipped"]):
+                return f"rank {rank}: the norm is above max_norm, yet the step used the averaged gradient unclipped"
+            diff = max(float((a - b).abs().max()) for a, b in zip(got, truth["want"]))
+            return f"rank {rank}: the weights after the step differ from SGD on the clipped mean gradient by {diff:.3g}"
+        if res["grads_left"]:
+            return f"rank {rank}: gradients are still there after the step; the next step's backward adds onto them"
+        value = res["norm"]
+        if value is None or (isinstance(value, torch.Tensor) and value.numel() != 1):
+            return f"rank {rank}: synced_clip_step returned {value!r}, not the norm (one number)"
+        value = float(value)
+        if near(value, truth["norm"]):
+            continue
+        if clips and near(value, truth["max_norm"]):
+            return f"rank {rank}: it returned the norm after clipping (= max_norm), not the norm before"
+        if near(value, truth["local_norms"][rank]):
+            return f"rank {rank}: it returned this rank's own gradient norm, measured before finish()"
+        return f"rank {rank}: it returned {value:.6g}; the averaged gradient's norm is {truth['norm']:.6g}"
+    return None
+
+
+def _smaller_clip(case: ClipDraw):
+    for w in (2, 3):
+        if w < case.world_size:
+            yield replace(case, world_size=w)
+    if case.dtype != torch.float32:
+        yield replace(case, dtype=torch.float32)
+    if case.frozen:
+        yield replace(case, frozen=False)
+    if case.layers > 2:
+        yield replace(case, layers=2)
+    if (case.dim, case.hidden) != (3, 4):
+        yield replace(case, dim=3, hidden=4)
+
+
+@clip.case("drawn: 2, 3 and 4 ranks, a frozen layer or not, max_norm below or above the norm, float32 and float64",
+           hint="on every rank: finish() once, the norm of the averaged gradients there are, the clip only ever "
+                "shrinking, the step, no gradient left; return the norm before clipping",
+           reveal="sync.finish(); norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); "
+                  "optimizer.step(); optimizer.zero_grad(); return float(norm)",
+           timeout=90, after="finish(), then clip the mean, then step: the norm is the averaged gradient's")
+def _(learner):
+    """Property: on drawn cases (2, 3 and 4 thread ranks, a frozen first layer or not, max_norm a drawn fraction of
+    the averaged gradient's norm or above it, float32 and float64, drawn TinyMLP shapes), every rank calls finish()
+    once, steps with the averaged gradient clipped to max_norm, leaves no gradient behind, and returns the averaged
+    gradient's norm before clipping."""
+    return _raise_drawn(draw_clip(), lambda c: _clip_mistake(learner, c), _smaller_clip,
+                        "sync.finish(); norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); "
+                        "optimizer.step(); optimizer.zero_grad(); return float(norm)")
 
 
 # --------------------------------------------------------------------------- the lesson's figure

@@ -105,7 +105,8 @@ class MiniSync:
 # %% [markdown]
 # ### A process group of one, to watch it work
 #
-# The checks run your code on two gloo processes. To *watch* a sync in this notebook we make a
+# The checks run your code on two gloo processes, and on 2 to 4 ranks as threads of one process. To
+# *watch* a sync in this notebook we make a
 # process group of one process (an in-memory `HashStore` as rendezvous): every all-reduce is then
 # real, just with nobody to talk to, so we can count collectives and see where a sync gets stuck.
 
@@ -163,7 +164,10 @@ mlp.zero_grad()
 #    `optimizer.zero_grad()`.
 #
 # The check runs 2 gloo ranks × 4 micro-batches and counts the all-reduces per optimizer step, and
-# compares the weights after every step with one process training on the whole batch.
+# compares the weights after every step with one process training on the whole batch. Then it
+# states the same property on drawn cases, with ranks as threads of one process: 2, 3 and 4 ranks,
+# 1 to 6 micro-batches, float32 and float64, drawn model shapes, every rank's weights read. A case
+# that fails is shrunk to a small one, and the hint shows it.
 
 # %%
 class AccumSync(MiniSync):
@@ -266,9 +270,12 @@ sync.close()
 #   order, through `self._launch(i)`), giving a parameter whose `.grad` is `None` a zero gradient
 #   first; then wait for all, divide by the world size, and `self._reset()`.
 #
-# The check trains on 2 ranks for 4 steps in which the `extra` branch runs on both ranks, on rank 0
-# only, on neither, and on rank 1 only, and compares every step with single-process training on
-# the whole batch. A rank that waits for a collective with no partner fails after 8 seconds.
+# The check first trains on drawn cases, with ranks as threads of one process: 2, 3 and 4 ranks,
+# drawn ranks skipping `extra` at each step, a frozen layer or not, the output tied or not, float32
+# and float64; every rank's weights are compared with single-process training on the whole batch
+# after every step. Then 2 gloo ranks train for 4 steps in which the `extra` branch runs on both
+# ranks, on rank 0 only, on neither, and on rank 1 only. A rank that waits for a collective with no
+# partner fails after a few seconds.
 
 # %%
 class RobustSync(MiniSync):
@@ -341,7 +348,9 @@ print(f"clip before the sync: update norm {total_norm(before_sync):.4f}, "
 # gradients to `max_norm` with `torch.nn.utils.clip_grad_norm_`, step, zero the gradients, and
 # return the norm before clipping as a float (what `clip_grad_norm_` returns, and what the Trainer
 # logs as `grad_norm`). The check's `sync` stands in for two ranks in one process: its `finish()`
-# averages `.grad` with a gradient computed on the other half of the batch.
+# averages `.grad` with a gradient computed on the other half of the batch. Then drawn cases, on 2,
+# 3 and 4 thread ranks: a frozen layer or not, `max_norm` below or above the norm, float32 and
+# float64; every rank's weights and returned norm are read.
 
 # %%
 def synced_clip_step(sync, model, optimizer, max_norm):

@@ -1,0 +1,287 @@
+"""The grader's wrong learners for lessons 07, 08 and 10 (issue 46): for every exercise graded on drawn cases
+there, at least three plausible wrong answers (a loss divided by a hard-coded 4, a world size hard-coded as 2, a
+zero gradient made in float32, a norm taken over every parameter when one is frozen, slices cut for sizes the
+world divides, a gather waited for on the wrong handle, the local norm clipped with). Each is shown wrong on a
+drawn input the old fixed checks never used (2, 3 or 4 ranks, float64, a frozen layer, an accumulation length
+other than 4, a size N does not divide), and each test asserts that the check fails it with a first message that
+names the mistake, not the answer; the right answers pass the same cases.
+
+Only in-process cases run by default (drawn cases on thread ranks, stand-ins); the whole checks with their gloo
+cases are marked slow."""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from course.grading import LEARNER_PREAMBLE, Learner, check, get_exercise, run_case, run_cell
+
+SRC = Path(__file__).resolve().parents[1] / "course" / "src"
+
+
+@pytest.fixture(autouse=True)
+def _progress_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("HFSTREAM_COURSE_PROGRESS", str(tmp_path / "progress.json"))
+
+
+def _changed(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, old
+    return source.replace(old, new)
+
+
+def _cell(lesson: str, marker: str) -> str:
+    """The lesson's provided cell that contains ``marker``, as the learner's notebook has it."""
+    cells = re.split(r"^# %%.*$", (SRC / lesson).read_text(), flags=re.M)
+    return next(c for c in cells if marker in c).strip() + "\n"
+
+
+def _namespace(source: str, provided: str = "") -> dict:
+    return run_cell(LEARNER_PREAMBLE + provided + textwrap.dedent(source))
+
+
+def _run(exercise: str, ns: dict, titles: list[str] | None = None) -> list:
+    """The results of ``exercise``'s cases (only those whose title starts with one of ``titles``) on the namespace
+    ``ns``; a case whose ``after=`` failed above is skipped as in a real check."""
+    if titles is None:
+        return list(check(exercise, namespace=ns, quiet=True))
+    ex = get_exercise(exercise)
+    learner, out, failed = Learner(ns, ex), [], {}
+    for case in ex.cases:
+        if not any(case.title.startswith(t) for t in titles):
+            continue
+        above = next((t for t in failed if t in case.after), None)
+        r = run_case(ex, case, learner, 0, above, failed.get(above, ""))
+        if not r.passed:
+            failed[case.title] = r.message
+        out.append(r)
+    return out
+
+
+def _first(exercise: str, ns: dict, titles: list[str] | None = None) -> str:
+    failing = [r for r in _run(exercise, ns, titles) if not r.passed]
+    assert failing, f"{exercise}: the wrong answer passed every case"
+    return failing[0].message
+
+
+def _passes(exercise: str, ns: dict, titles: list[str] | None = None) -> None:
+    results = _run(exercise, ns, titles)
+    assert results and all(r.passed for r in results), [(r.case, r.message) for r in results if not r.passed]
+
+
+# =============================================================================================
+# Lesson 07: thread ranks, drawn worlds, dtypes, accumulation lengths, skipping ranks
+# =============================================================================================
+MINISYNC = _cell("07_hard_cases.py", "class MiniSync")
+IN_PROCESS_07 = ["no_sync()", "drawn:", "each trainable tensor once", "finish(), then clip", "the step leaves"]
+
+
+def _ns07(source: str) -> dict:
+    return _namespace(source, MINISYNC)
+
+
+ACCUM_RIGHT = """
+class AccumSync(MiniSync):
+    def _on_grad_ready(self, i, p):
+        if not self.require_backward_grad_sync:
+            return
+        super()._on_grad_ready(i, p)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+
+def accumulation_step(model, sync, optimizer, micro_batches, loss_fn):
+    n = len(micro_batches)
+    for k, batch in enumerate(micro_batches):
+        with sync.no_sync() if k < n - 1 else contextlib.nullcontext():
+            (loss_fn(model, batch) / n).backward()
+    sync.finish()
+    optimizer.step()
+    optimizer.zero_grad()
+"""
+# The loss divided by the lesson's 4 micro-batches, not by len(micro_batches): right on the old check's 4.
+ACCUM_BY_FOUR = _changed(ACCUM_RIGHT, "(loss_fn(model, batch) / n)", "(loss_fn(model, batch) / 4)")
+# The last micro-step found as index 3: right on the old check's 4; with 5, sync comes one micro-step early.
+ACCUM_LAST_IS_3 = _changed(ACCUM_RIGHT, "if k < n - 1 else", "if k != 3 else")
+# Divided by the world size as well, though finish() already turns the sum into the mean.
+ACCUM_BY_WORLD = _changed(ACCUM_RIGHT, "(loss_fn(model, batch) / n)",
+                          "(loss_fn(model, batch) / (n * dist.get_world_size()))")
+
+
+def _accum_mistake(source: str, case) -> str | None:
+    from course.checks.lesson07 import _accum_mistake as mistake
+    from course.grading import get_exercise
+
+    return mistake(Learner(_ns07(source), get_exercise("07.accumulation")), case)
+
+
+def test_the_drawn_accumulation_cases_cover_worlds_lengths_and_dtypes():
+    import torch
+
+    from course.checks.lesson07 import draw_accumulation
+
+    cases = draw_accumulation()
+    assert {c.world_size for c in cases} == {2, 3, 4} and {c.dtype for c in cases} == {torch.float32, torch.float64}
+    assert 4 not in {c.accum for c in cases} and all(c.accum != c.world_size for c in cases)
+    assert _accum_mistake(ACCUM_RIGHT, cases[0]) is None
+
+
+def test_accumulation_divided_by_a_hard_coded_four_is_named():
+    first = _first("07.accumulation", _ns07(ACCUM_BY_FOUR), IN_PROCESS_07)
+    assert "divided by 4 whatever the number of micro-batches" in first and "len(micro_batches)" in first, first
+    assert "nullcontext" not in first, first
+
+
+def test_accumulation_synced_at_a_hard_coded_index_is_named():
+    first = _first("07.accumulation", _ns07(ACCUM_LAST_IS_3), IN_PROCESS_07)
+    assert "the all-reduces ran during micro-step 4's backward, not the last one's" in first, first
+
+
+def test_accumulation_divided_by_the_world_size_too_is_named_on_three_ranks():
+    from course.checks.lesson07 import draw_accumulation
+
+    case = draw_accumulation()[0]
+    assert case.world_size == 3
+    assert "1/N for 3 ranks" in _accum_mistake(ACCUM_BY_WORLD, case)
+
+
+ROBUST_RIGHT = """
+class RobustSync(MiniSync):
+    def hooked_parameters(self, model):
+        return [p for p in reversed(list(model.parameters())) if p.requires_grad]
+
+    def finish(self):
+        while self.next < len(self.params):
+            p = self.params[self.next]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._launch(self.next)
+        for p, work in zip(self.params, self.works):
+            work.wait()
+            p.grad.div_(self.world_size)
+        self._reset()
+"""
+# torch.zeros(p.shape): float32 whatever the model; right on the old check's float32 model.
+ROBUST_ZEROS_FLOAT32 = _changed(ROBUST_RIGHT, "torch.zeros_like(p)", "torch.zeros(p.shape)")
+# The world size hard-coded as 2: right on the old check's 2 ranks.
+ROBUST_HALF = _changed(ROBUST_RIGHT, "p.grad.div_(self.world_size)", "p.grad.div_(2)")
+# Zeros for every parameter not launched yet, also those whose gradient had arrived behind the unused one.
+ROBUST_ZEROS_OVER_ARRIVED = _changed(ROBUST_RIGHT, """            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+""", """            p.grad = torch.zeros_like(p)
+""")
+
+
+def test_unused_and_tied_right_answer_passes_the_drawn_cases():
+    _passes("07.unused_and_tied", _ns07(ROBUST_RIGHT), IN_PROCESS_07)
+
+
+def test_a_float32_zero_gradient_is_named_on_a_float64_model():
+    first = _first("07.unused_and_tied", _ns07(ROBUST_ZEROS_FLOAT32), IN_PROCESS_07)
+    assert "float64 model" in first and "torch.zeros(p.shape) is float32" in first, first
+
+
+def test_a_world_size_hard_coded_as_two_is_named_on_three_ranks():
+    first = _first("07.unused_and_tied", _ns07(ROBUST_HALF), IN_PROCESS_07)
+    assert first.startswith("3 ranks") and "the sum over the 3 ranks divided by 2" in first, first
+
+
+def test_zeros_written_over_an_arrived_gradient_are_named():
+    first = _first("07.unused_and_tied", _ns07(ROBUST_ZEROS_OVER_ARRIVED), IN_PROCESS_07)
+    assert "the mean without the gradient of rank" in first and "overwritten with zeros" in first, first
+
+
+CLIP_RIGHT = """
+def synced_clip_step(sync, model, optimizer, max_norm):
+    sync.finish()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(norm)
+"""
+# The norm by hand over every parameter, as the lesson's total_norm: right while no parameter is frozen.
+CLIP_BY_HAND = """
+def synced_clip_step(sync, model, optimizer, max_norm):
+    sync.finish()
+    params = list(model.parameters())
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    for p in params:
+        p.grad.mul_(min(1.0, max_norm / (float(norm) + 1e-6)))
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(norm)
+"""
+# Clipped before the sync: each rank by its own norm.
+CLIP_BEFORE_SYNC = """
+def synced_clip_step(sync, model, optimizer, max_norm):
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    sync.finish()
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(norm)
+"""
+# Always scaled to max_norm: right whenever the gradient is above it.
+CLIP_ALWAYS = """
+def synced_clip_step(sync, model, optimizer, max_norm):
+    sync.finish()
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))
+    for p in params:
+        p.grad.mul_(max_norm / (norm + 1e-6))
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(norm)
+"""
+
+
+def _clip_mistake(source: str, case) -> str | None:
+    from course.checks.lesson07 import _clip_mistake as mistake
+
+    return mistake(Learner(_namespace(source), get_exercise("07.clip_after_sync")), case)
+
+
+def test_clip_right_answer_passes_the_drawn_cases():
+    _passes("07.clip_after_sync", _namespace(CLIP_RIGHT))
+
+
+def test_a_norm_by_hand_over_a_frozen_layer_is_named():
+    first = _first("07.clip_after_sync", _namespace(CLIP_BY_HAND))
+    assert "its first layer frozen" in first and "a frozen parameter has no .grad" in first, first
+
+
+def test_clipping_before_the_sync_is_named_on_every_drawn_world():
+    from course.checks.lesson07 import draw_clip
+
+    assert "clipped before finish()" in _first("07.clip_after_sync", _namespace(CLIP_BEFORE_SYNC))
+    for case in draw_clip()[:3]:              # max_norm below the norm: 3, 2 and 4 ranks
+        why = _clip_mistake(CLIP_BEFORE_SYNC, case)
+        assert why and "clipped its own gradient by its own norm" in why, (case, why)
+
+
+def test_a_clip_that_scales_up_is_named_on_a_drawn_case():
+    from course.checks.lesson07 import draw_clip
+
+    assert "clipping only ever shrinks a gradient" in _first("07.clip_after_sync", _namespace(CLIP_ALWAYS))
+    case = draw_clip()[3]
+    assert case.scale > 1 and "scaled up" in _clip_mistake(CLIP_ALWAYS, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise, source, first", [
+    ("07.accumulation", ACCUM_BY_FOUR, "2 ranks, 1 micro-batch"),
+    ("07.accumulation", ACCUM_LAST_IS_3, "2 ranks, 5 micro-batches"),
+    ("07.unused_and_tied", ROBUST_HALF, "3 ranks"),
+], ids=["accum_by_four", "accum_last_is_3", "robust_half"])
+def test_the_whole_lesson_07_check_fails_first_with_the_mistake(exercise, source, first):
+    # Every case, the 2-process gloo ones included: those pass these answers; the first failure is the drawn one.
+    messages = [r.message for r in check(exercise, namespace=_ns07(source), quiet=True) if not r.passed]
+    assert messages and messages[0].startswith(first), messages
