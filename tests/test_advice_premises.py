@@ -24,7 +24,14 @@ BYTES_BOUND = CommScaling(ms_per_mib=8.0, fixed_ms=0.5, bytes_share=0.95, bucket
 
 
 def _plan(total=28_000_000):
-    return lambda cap: [total] if cap >= 64 else [int(cap * MiB)] * max(1, int(total / (cap * MiB)))
+    """GradSync's plan in the small: buckets of ``cap`` MiB and the rest, every byte in one of them."""
+    def plan(cap):
+        if cap >= 64 or cap * MiB >= total:
+            return [total]
+        size = int(cap * MiB)
+        whole, rest = divmod(total, size)
+        return [size] * whole + ([rest] if rest else [])
+    return plan
 
 
 def _settings(advice):
@@ -195,3 +202,54 @@ def test_every_advice_names_the_measurement_it_checked_and_the_report_prints_it(
             assert "premise: " + a["premise"] in " ".join(text.split()), text
     assert seen == {"prefetch_depth", "dataloader_num_workers", "grad_bucket_mb", "grad_sync", "grad_comm_dtype",
                     "gradient_accumulation_steps"}
+
+
+# -- communication in backward costs the cores it runs on ----------------------------------------------
+ONE_BUCKET = dict(data_wait_ms=2, forward_ms=30, backward_ms=40, optimizer_ms=5, exposed_comm_ms=22,
+                  comm_busy_ms=22, step_ms=100)
+
+
+def test_a_bucket_cap_is_not_advised_where_the_collectives_would_take_backwards_cores():
+    # One bucket: nothing was in flight in backward, so the slow-down there was not measured. The
+    # collectives' threads used 0.9 ms of CPU per ms, and no core is spare: run inside backward they
+    # would take it from backward, and the step would not shorten.
+    facts = dict(grad_sync="overlap", world_size=2, bucket_mb=float("inf"), plan=_plan(8_000_000), spare_cores=0.0)
+    why: list[str] = []
+    busy_cpu = advise(dict(ONE_BUCKET, comm_cpu_ms=19.8), RunFacts(**facts), why)
+    assert "grad_bucket_mb" not in _settings(busy_cpu), busy_cpu
+    assert any(w.startswith("grad_bucket_mb=") and "under 5%" in w for w in why), why
+    # The same run whose collectives mostly wait on the wire (0.05 ms of CPU per ms): the cap is advised,
+    # and so it is where a core is spare for them.
+    wire = advise(dict(ONE_BUCKET, comm_cpu_ms=1.1), RunFacts(**facts))
+    assert _settings(wire)[0] == "grad_bucket_mb", wire
+    spare = advise(dict(ONE_BUCKET, comm_cpu_ms=19.8), RunFacts(**{**facts, "spare_cores": 2.0}))
+    assert _settings(spare)[0] == "grad_bucket_mb", spare
+    assert "no core is spare" in busy_cpu_reason(dict(ONE_BUCKET, comm_cpu_ms=8.0), facts)
+
+
+def busy_cpu_reason(mean, facts):
+    advice = advise(mean, RunFacts(**facts))
+    return next(a["reason"] for a in advice if a["setting"] == "grad_bucket_mb")
+
+
+def test_a_measured_slowdown_in_backward_wins_over_the_collectives_cpu():
+    facts = RunFacts(grad_sync="overlap", world_size=2, bucket_mb=float("inf"), plan=_plan(8_000_000),
+                     spare_cores=0.0, comm_slowdown=0.0)
+    assert _settings(advise(dict(ONE_BUCKET, comm_cpu_ms=19.8), facts))[0] == "grad_bucket_mb"
+
+
+def test_a_serial_run_with_one_bucket_is_told_overlap_with_a_cap_and_both_are_printed():
+    mean = dict(data_wait_ms=2, forward_ms=30, backward_ms=60, optimizer_ms=5, exposed_comm_ms=40,
+                comm_busy_ms=40, step_ms=140)
+    facts = RunFacts(grad_sync="serial", world_size=2, bucket_mb=float("inf"), plan=_plan(8_000_000))
+    first = advise(mean, facts)[0]
+    assert (first["setting"], first["value"]) == ("grad_sync", "overlap")
+    cap = first["also"]["grad_bucket_mb"]
+    assert cap < 8 and first["saving"] >= 0.05 and "none of which backward can hide" in first["reason"]
+    from hfstream.report.format import format_advice
+
+    assert format_advice([first])[0].startswith(f"  advice: set grad_sync=overlap, grad_bucket_mb={cap}")
+    # Under grad_bucket_mb="auto", overlap alone: the tuner chooses the cap.
+    auto = advise(mean, RunFacts(grad_sync="serial", world_size=2, bucket_mb=1.0, auto_bucket=True,
+                                 plan=_plan(8_000_000)))[0]
+    assert (auto["setting"], auto["value"], auto.get("also")) == ("grad_sync", "overlap", None)

@@ -138,7 +138,7 @@ def _scenario(name: str, steps: int, tmp: str) -> dict:
         if not advice:
             return row
         first = advice[0]
-        applied = {**kw, first["setting"]: first["value"]}   # the one change advised, nothing else
+        applied = {**kw, first["setting"]: first["value"], **first.get("also", {})}   # the change advised, nothing else
         after = _run(name, applied, steps, tmp, ns_name)
     step_after = after["mean"]["step_ms"]
     if first["setting"] == "gradient_accumulation_steps":   # per the first run's samples

@@ -222,7 +222,7 @@ def run_one(spec: RunSpec, steps: int, tmp: str, in_process: bool = False) -> di
                    link_bound=(before["mean"].get("comm_busy_ms") or 0.0) > (before["mean"].get("backward_ms") or 0.0))
         if advice:
             first = advice[0]
-            applied = {**kw, first["setting"]: first["value"]}   # the one change advised, nothing else
+            applied = {**kw, first["setting"]: first["value"], **first.get("also", {})}   # the change advised, nothing else
             after = _run(spec, applied, steps, tmp, namespace, in_process)
             per_sample = "predicted_ms_per_sample" in first
             if per_sample:   # a change of the effective batch: per sample, in the unit it is predicted in
@@ -230,7 +230,7 @@ def run_one(spec: RunSpec, steps: int, tmp: str, in_process: bool = False) -> di
                 predicted = first.get("predicted_ms_per_sample") or was * (1 - first["saving"])
             else:
                 predicted, measured, was = first["predicted_step_ms"], after["mean"]["step_ms"], before["mean"]["step_ms"]
-            row.update(applied={first["setting"]: first["value"]}, unit="ms/sample" if per_sample else "ms/step",
+            row.update(applied={first["setting"]: first["value"], **first.get("also", {})}, unit="ms/sample" if per_sample else "ms/step",
                        after_report={k: after.get(k) for k in ("prefetch_depth", "grad_sync")},
                        predicted=predicted, measured=measured, was=was, saved=1 - measured / was,
                        error=(predicted - measured) / measured)
@@ -305,9 +305,9 @@ def table(rows: list[dict]) -> str:
             why = "; ".join(r.get("ruled_out") or [])[:120]
             lines.append("| " + " | ".join(cells + [f"{r['before_ms']:.1f}", f"(none: {why})", "", "", "", "", ""]) + " |")
             continue
-        (setting, value), = r["applied"].items()
+        applied = ", ".join(f"{setting}={value}" for setting, value in r["applied"].items())
         lines.append("| " + " | ".join(cells + [
-            f"{r['before_ms']:.1f}", f"{setting}={value}", r["unit"], f"{r['predicted']:.2f}", f"{r['measured']:.2f}",
+            f"{r['before_ms']:.1f}", applied, r["unit"], f"{r['predicted']:.2f}", f"{r['measured']:.2f}",
             f"{100 * r['saved']:.0f} %", f"{100 * r['error']:+.0f} %"]) + " |")
     return "\n".join(lines)
 

@@ -15,7 +15,9 @@ run's own parts, not a hardware table:
   where the run has no such spans (serial mode, no report spans);
 - backward's slow-down while collectives are in flight is calibrated from the run's backward spans
   (`comm_slowdown`: backward time against the communication in flight in it) where they differ
-  enough to tell; otherwise it is not modelled, and the report says so;
+  enough to tell; where nothing was in flight in backward (one bucket, serial) and no core is
+  spare (CPU training), from the collectives' own threads' CPU per ms in flight (the report's
+  ``comm_cpu_ms``: gloo's threads take it from the compute's cores); otherwise it is not modelled;
 - what the model does not explain (the bookkeeping between the timeline's marks) is carried
   over unchanged: a candidate's prediction is the measured step plus the model's difference
   between the candidate and the run as it was.
@@ -50,7 +52,7 @@ from __future__ import annotations
 import math
 import os
 from statistics import median
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .schedule import sharded_step
@@ -131,6 +133,10 @@ class RunFacts:
             launched in the run (`measured_ready`), or None: bytes-proportional.
         comm_slowdown: ms of backward per ms of communication in flight in it (`comm_slowdown`),
             or None where the run could not tell.
+        comm_cpu_share: ms of CPU the process group's own threads used per ms of communication in
+            flight (the report's ``comm_cpu_ms / comm_busy_ms``), or None where not measured. Where
+            the slowdown was not measured (nothing was in flight in backward: one bucket, serial)
+            and no core is spare, backward is taken to lose that much per ms in flight.
         comm_scaling: how the run's collectives' time grew with their bytes (`measure_comm_scaling`),
             or None where the run could not tell (then the bf16 wire is not advised);
             ``comm_scaling_unmeasured`` says why it could not.
@@ -159,6 +165,7 @@ class RunFacts:
     samples_per_step: int = 0
     bucket_ready: list[float] | None = None
     comm_slowdown: float | None = None
+    comm_cpu_share: float | None = None
     comm_scaling: "CommScaling | None" = None
     comm_scaling_unmeasured: str = ""
     mode_switch_checked: bool | None = None
@@ -498,7 +505,7 @@ def _comm_step(mode: str, buckets: list[float], link: _Link, parts: _Parts, fact
     accum = max(1, facts.gradient_accumulation_steps)
     last_backward = parts.backward / accum
     ready = _ready(buckets, _ready_curve(facts))
-    k = facts.comm_slowdown or 0.0
+    k = _slowdown(facts) or 0.0
     if k and mode != "serial":
         # Backward as it would run with no collective in flight, then with the candidate's in flight.
         base = max(last_backward - k * max(0.0, parts.busy - parts.exposed), 0.5 * last_backward)
@@ -515,6 +522,23 @@ def _comm_step(mode: str, buckets: list[float], link: _Link, parts: _Parts, fact
     else:
         exposed, _ = _overlap_schedule([link.allreduce(b) for b in buckets], ready, last_backward)
     return parts.forward + parts.backward * (accum - 1) / accum + last_backward + exposed + optimizer_ms
+
+
+def _slowdown(facts: RunFacts) -> float | None:
+    """ms of backward lost per ms of communication in flight in it: measured in backward where the run
+    had some there, else the collectives' own CPU per ms where no core is spare for them (None: unknown)."""
+    if facts.comm_slowdown is not None:
+        return facts.comm_slowdown
+    if facts.comm_cpu_share is not None and facts.spare_cores < 1:
+        return min(1.0, facts.comm_cpu_share)
+    return None
+
+
+def _cpu_share(mean: dict) -> float | None:
+    cpu, busy = mean.get("comm_cpu_ms"), mean.get("comm_busy_ms")
+    if not all(isinstance(v, (int, float)) and not math.isnan(v) for v in (cpu, busy)) or busy <= 0:
+        return None
+    return cpu / busy
 
 
 def _say(ms: float) -> str:
@@ -544,6 +568,8 @@ def advise(mean: dict, facts: RunFacts, ruled_out: list[str] | None = None,
     if parts.step <= 0:
         why.append("no step was measured")
         return []
+    if facts.comm_cpu_share is None:
+        facts = replace(facts, comm_cpu_share=_cpu_share(mean))
     out = _data_advice(parts, facts, why) + _comm_advice(parts, facts, why) + _accumulation_advice(parts, facts, why)
     worth = []
     checked = facts.mode_switch_checked
@@ -844,21 +870,36 @@ def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
         return max((c for c in scored if c[1] <= low * 1.02), key=lambda c: c[0])
 
     waited = exposed >= MIN_SAVING * parts.step   # the premise of every change on the link
+    cpu = (f"; backward taken to lose {_slowdown(facts):.2f} ms per ms of communication in flight in it (the "
+           f"collectives' threads used that much CPU per ms, and no core is spare)"
+           if facts.comm_slowdown is None and _slowdown(facts) is not None else "")
     waited_said = (f"the step waited for communication after backward: {_say(exposed)} of {_say(parts.step)} "
                    f"(exposed comm, measured; {_say(parts.busy)} busy)")
     if not waited:
         why.append(f"communication: the step waited {_say(exposed)} of {_say(parts.step)} for it after backward: "
                    f"little for a bucket cap, the bf16 wire or a mode switch to hide")
-    # Serial -> overlap: the same all-reduces, launched as backward produces their buckets.
+    # Serial -> overlap: the same all-reduces, launched as backward produces their buckets; with the
+    # cap too where the run's own cap leaves too few buckets for backward to hide (one: none of it).
     if mode == "serial" and waited:
         model_ms = _comm_step("overlap", current, link, parts, facts, parts.optimizer)
-        out.append(_advice(
+        cap = facts.bucket_mb
+        if not facts.auto_bucket:
+            cap, capped_ms = best_cap("overlap", parts.optimizer, (facts.bucket_mb, *BUCKET_CANDIDATES_MB))
+            model_ms = min(model_ms, capped_ms) if cap != facts.bucket_mb else model_ms
+        also = {"grad_bucket_mb": cap} if cap != facts.bucket_mb else {}
+        at = (f" at {cap:g} MiB buckets (now {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB, "
+              f"{'none of which backward can hide' if len(current) == 1 else 'fewer than backward can hide'})"
+              if also else "")
+        entry = _advice(
             "grad_sync", "overlap", predicted(model_ms),
             f"under serial every bucket's all-reduce waits for the end of backward; overlap launches each as "
-            f"backward produces it, behind the rest of the {_say(parts.backward)} backward, and keeps the results "
-            f"(the same all-reduces, the same sums)", parts.step,
+            f"backward produces it, behind the rest of the {_say(parts.backward)} backward{at}, and keeps the "
+            f"results (the same all-reduces, the same sums){cpu}", parts.step,
             f"under serial all {_say(parts.busy)} of communication ran after backward ({_say(exposed)} exposed), "
-            f"beside a {_say(parts.backward)} backward that overlap runs it in"))
+            f"beside a {_say(parts.backward)} backward that overlap runs it in")
+        if also:
+            entry["also"] = also
+        out.append(entry)
     # The bucket cap, in the mode the run has.
     ready_said = (f"buckets ready as the run's spans show (the first at {facts.bucket_ready[0]:.0%} of backward)"
                   if _ready_curve(facts) else "buckets assumed ready in proportion to their bytes (no spans measured)")
@@ -868,7 +909,7 @@ def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
             "grad_bucket_mb", best[0], predicted(best[1]),
             f"{_say(exposed)} of the {_say(parts.step)} step waited for communication ({_say(parts.busy)} busy) "
             f"with {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB; {best[0]:g} MiB buckets leave the "
-            f"link less after backward (or 'auto' tunes it in the first steps); {ready_said}", parts.step,
+            f"link less after backward (or 'auto' tunes it in the first steps); {ready_said}{cpu}", parts.step,
             waited_said))
     # The other mode: overlap <-> sharded (the optimizer then steps 1/N of the parameters, or all).
     if mode in ("overlap", "sharded") and exposed + parts.optimizer >= MIN_SAVING * parts.step:

@@ -45,6 +45,9 @@ FIELDS: tuple[Field, ...] = (
           "the previous step's parameter all-gathers in flight, from their launch to each one's completion"),
     Field("all_gather_exposed_ms", "all-gather exposed", "ms", "measured", "sharded",
           "what the training forward's pre-hooks waited for those all-gathers"),
+    Field("comm_cpu_ms", "comm cpu", "ms", "measured", "all",
+          "CPU time of the process group's own threads (gloo's) in the step: what the collectives took from "
+          "the host's cores; n/a where the backend has no such threads (one process, NCCL)"),
     Field("optimizer_ms", "optimizer", "ms", "measured", "all",
           "from the end of finish() to the end of the step: clipping, optimizer.step(), zero_grad"),
     Field("step_ms", "step", "ms", "measured", "all",

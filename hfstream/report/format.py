@@ -49,7 +49,8 @@ def format_advice(advice: list[dict] | None) -> list[str]:
                     f"{a.get('predicted_ms_per_sample')} ms per sample)")
         elif isinstance(predicted, (int, float)) and "predicted_ms_per_sample" in a:
             tail = f" (predicted {predicted:.2f} ms a step of more samples, {a.get('saving', 0):.0%} less per sample)"
-        text = [f"  advice: set {a.get('setting')}={a.get('value')}{tail}"]
+        also = "".join(f", {k}={v}" for k, v in (a.get("also") or {}).items())   # applied together
+        text = [f"  advice: set {a.get('setting')}={a.get('value')}{also}{tail}"]
         text += _wrap(str(a.get("reason", "")))
         if a.get("premise"):   # the run's measurement that shows the mechanism the change relies on
             text += _wrap(f"premise: {a['premise']}")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import threading
 import time
 from collections import deque
@@ -78,6 +79,7 @@ class StepRecord:
     step_ms: float
     all_gather_busy_ms: float = math.nan
     all_gather_exposed_ms: float = math.nan
+    comm_cpu_ms: float = math.nan
 
     @property
     def sharded(self) -> bool:
@@ -221,6 +223,7 @@ class _PendingStep:
     tuning: bool = False                              # ran while grad_bucket_mb="auto" was trying caps
     all_gather_busy_ms: float = math.nan     # grad_sync="sharded": the previous step's all-gathers
     all_gather_exposed_ms: float = math.nan
+    comm_cpu_ms: float = math.nan            # the process group's threads' CPU, from the last step's end to this one's
 
 
 class Span(tuple):
@@ -280,6 +283,8 @@ class StepTimeline:
         self.host_intervals: deque[tuple[str, float, float, float]] = deque(maxlen=8 * span_capacity)
         self._host_mark = (0.0, 0.0)
         self._cpu = _ThreadCPU()   # the training thread's CPU clock: the one that calls begin_step
+        self._comm_cpu = _CollectiveCPU()
+        self._comm_cpu_mark = math.nan   # its seconds at the last step's end (at the first step's beginning)
 
     # -- marks, in step order ------------------------------------------------------------
     def begin_step(self, step: int, tuning: bool = False) -> None:
@@ -293,6 +298,8 @@ class StepTimeline:
         self._host_mark = (self._data_t0, self._cpu.seconds())
         self._cur = _PendingStep(step=step, host_start=self._data_t0, tuning=tuning)
         self._cur.start = start
+        if math.isnan(self._comm_cpu_mark):
+            self._comm_cpu_mark = self._comm_cpu.seconds()
 
     def data_ready(self) -> None:
         if self._cur is not None:
@@ -367,6 +374,9 @@ class StepTimeline:
         if cur is None or not cur.micro:
             return
         cur.end = self._clock.mark()
+        now = self._comm_cpu.seconds()
+        used = now - self._comm_cpu_mark   # NaN where there is no collectives' thread to read
+        cur.comm_cpu_ms, self._comm_cpu_mark = (used if math.isnan(used) else max(0.0, used) * 1e3), now
         if cur.tuning:
             self.tuning_steps.add(cur.step)
         self._pending.append(cur)
@@ -437,7 +447,7 @@ class StepTimeline:
             step=p.step, data_wait_ms=p.data_wait_ms, forward_ms=fwd, backward_ms=bwd,
             comm_busy_ms=busy, exposed_comm_ms=exposed,
             optimizer_ms=ms(opt_start, p.end), step_ms=step_ms,
-            all_gather_busy_ms=gather_busy, all_gather_exposed_ms=gather_exposed,
+            all_gather_busy_ms=gather_busy, all_gather_exposed_ms=gather_exposed, comm_cpu_ms=p.comm_cpu_ms,
         ))
         self._add_spans(p, opt_start)
 
@@ -501,6 +511,49 @@ class _ThreadCPU:
         if threading.get_ident() == self.ident:
             return time.thread_time()
         return time.clock_gettime(self._clock) if self._clock is not None else math.nan
+
+
+class _CollectiveCPU:
+    """The CPU seconds of the process group's own threads, from ``/proc/self/task`` (Linux).
+
+    Gloo runs its collectives on threads of its own (``pt_gloo_runloop``, ``gloo_tcp_loop``): the
+    training thread only waits for them. On CPU training that work comes out of the same cores as
+    the compute, which is what the advice needs to know before it moves communication into
+    backward. NaN where there is no such thread (one process, NCCL) or no ``/proc``. A thread that
+    exits takes its time with it (the step's difference is then floored at 0).
+    """
+
+    PREFIXES = ("gloo", "pt_gloo")
+
+    def __init__(self):
+        self._tasks: list[str] | None = None   # the task ids at the last scan
+        self._tids: list[str] = []             # those of the collectives' threads
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def seconds(self) -> float:
+        try:
+            tasks = os.listdir("/proc/self/task")
+        except OSError:
+            return math.nan
+        if tasks != self._tasks:   # threads came or went: find gloo's again by name
+            self._tasks, self._tids = tasks, [t for t in tasks if self._name(t).startswith(self.PREFIXES)]
+        total = 0
+        for tid in self._tids:
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            total += int(fields[11]) + int(fields[12])   # utime, stime: fields 14 and 15 of stat(5)
+        return total / self._tick if self._tids else math.nan
+
+    @staticmethod
+    def _name(tid: str) -> str:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
 
 
 def _host(mark) -> float:
