@@ -285,3 +285,204 @@ def test_the_whole_lesson_07_check_fails_first_with_the_mistake(exercise, source
     # Every case, the 2-process gloo ones included: those pass these answers; the first failure is the drawn one.
     messages = [r.message for r in check(exercise, namespace=_ns07(source), quiet=True) if not r.passed]
     assert messages and messages[0].startswith(first), messages
+
+
+# =============================================================================================
+# Lesson 10: drawn worlds (2, 3, 4 ranks), sizes N does not divide, float64
+# =============================================================================================
+STEP_RIGHT = """
+def sharded_sgd_step(flat_params, grad_buffer, lr, max_norm):
+    n, rank = dist.get_world_size(), dist.get_rank()
+    size = flat_params.numel() // n
+    mine = slice(rank * size, (rank + 1) * size)
+    g = grad_buffer[mine]
+    squares = g.double().pow(2).sum().reshape(1)
+    dist.all_reduce(squares)
+    norm = squares.sqrt().item()
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    flat_params[mine].add_(g, alpha=-lr * coef)
+    return norm
+"""
+# Clipped by the local norm (this rank's slice) while returning the global one.
+STEP_LOCAL_CLIP = _changed(STEP_RIGHT, "coef = min(1.0, max_norm / (norm + 1e-6))",
+                           "coef = min(1.0, max_norm / (float(g.norm()) + 1e-6))")
+# The slice found as half the buffer: right at 2 ranks only.
+STEP_HALVES = _changed(STEP_RIGHT, "size = flat_params.numel() // n", "size = flat_params.numel() // 2")
+# The norms all-reduced with MAX: the largest slice's norm.
+STEP_MAX = _changed(STEP_RIGHT, "dist.all_reduce(squares)", "dist.all_reduce(squares, op=dist.ReduceOp.MAX)")
+
+
+def _step_mistake(source: str, case) -> str | None:
+    from course.checks.lesson10.sharded_step import _step_drawn_mistake
+
+    return _step_drawn_mistake(Learner(_namespace(source), get_exercise("10.sharded_step")), case)
+
+
+def test_sharded_step_right_answer_passes_the_drawn_cases():
+    from course.checks.lesson10.sharded_step import draw_step
+
+    cases = draw_step()
+    assert {c.world_size for c in cases} == {2, 3, 4} and {c.big for c in cases} - {0}
+    _passes("10.sharded_step", _namespace(STEP_RIGHT))
+
+
+def test_clipping_by_the_local_norm_is_named_on_three_ranks():
+    from course.checks.lesson10.sharded_step import draw_step
+
+    assert "clipped with the local norm" in _first("10.sharded_step", _namespace(STEP_LOCAL_CLIP))
+    why = _step_mistake(STEP_LOCAL_CLIP, draw_step()[0])
+    assert why and why.startswith("rank ") and "clipped with its own slice's norm" in why, why
+
+
+def test_a_slice_found_as_half_the_buffer_is_named_on_three_ranks():
+    from course.checks.lesson10.sharded_step import draw_step
+
+    case = draw_step()[0]
+    assert case.world_size == 3
+    why = _step_mistake(STEP_HALVES, case)
+    assert why and "its slice is elements" in why and "whatever the world size" in why, why
+
+
+def test_a_max_over_the_ranks_is_named_on_a_drawn_case():
+    from course.checks.lesson10.sharded_step import draw_step
+
+    assert "the all-reduce took the maximum" in _first("10.sharded_step", _namespace(STEP_MAX))
+    why = _step_mistake(STEP_MAX, draw_step()[1])
+    assert why and "the largest slice's norm" in why, why
+
+
+GATHER_RIGHT = """
+class ParamGather:
+    def __init__(self, model):
+        n, rank = dist.get_world_size(), dist.get_rank()
+        self.layers = [m for m in model.modules() if list(m.parameters(recurse=False))]
+        self.full, self.mine, self.views = [], [], []
+        for m in self.layers:
+            params = list(m.parameters(recurse=False))
+            size = -(-sum(p.numel() for p in params) // n)
+            full = torch.zeros(size * n, dtype=params[0].dtype)
+            views, offset = [], 0
+            for p in params:
+                views.append(full[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+            self.full.append(full)
+            self.views.append(views)
+            self.mine.append(full[rank * size:(rank + 1) * size].clone())
+        self.works = [None] * len(self.layers)
+        self.handles = []
+        for i, m in enumerate(self.layers):
+            self.handles.append(m.register_forward_pre_hook(lambda module, args, i=i: self.wait_for(i)))
+
+    def launch(self):
+        for i in range(len(self.layers)):
+            self.works[i] = dist.all_gather_single(self.full[i], self.mine[i], async_op=True)
+
+    def wait_for(self, i):
+        work, self.works[i] = self.works[i], None
+        if work is None:
+            return
+        work.wait()
+        with torch.no_grad():
+            for p, v in zip(self.layers[i].parameters(recurse=False), self.views[i]):
+                p.copy_(v)
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+"""
+# The buffer made without dtype=: float32 whatever the model; right on the old check's float32 model.
+GATHER_FLOAT32 = _changed(GATHER_RIGHT, "torch.zeros(size * n, dtype=params[0].dtype)", "torch.zeros(size * n)")
+# Rounded up by adding one: ceil(numel / 2) at 2 ranks, too few values at 3 when N does not divide numel + 1.
+GATHER_PLUS_ONE = _changed(GATHER_RIGHT, "size = -(-sum(p.numel() for p in params) // n)",
+                           "size = (sum(p.numel() for p in params) + 1) // n")
+# The pre-hook's lambda without i=i: every hook reads the loop's last i, and waits on the last layer's handle.
+GATHER_LATE_BINDING = _changed(GATHER_RIGHT, "lambda module, args, i=i: self.wait_for(i)",
+                               "lambda module, args: self.wait_for(i)")
+
+
+def test_gather_right_answer_passes_the_drawn_cases():
+    from course.checks.lesson10.gather_hook import draw_gather
+
+    cases = draw_gather()
+    assert {c.world_size for c in cases} == {2, 3, 4} and all(any(s % c.world_size for s in c.sizes) for c in cases)
+    _passes("10.gather_hook", _namespace(GATHER_RIGHT))
+
+
+def test_a_float32_gather_buffer_is_named_on_a_float64_model():
+    first = _first("10.gather_hook", _namespace(GATHER_FLOAT32))
+    assert "float64" in first and "rounded to float32" in first and "dtype=" in first, first
+
+
+def test_slices_rounded_up_by_adding_one_are_named_on_three_ranks():
+    first = _first("10.gather_hook", _namespace(GATHER_PLUS_ONE))
+    assert first.startswith("3 ranks") and "did not fit in N slices of the size you chose" in first, first
+
+
+def test_waiting_on_the_last_layers_handle_is_named():
+    first = _first("10.gather_hook", _namespace(GATHER_LATE_BINDING))
+    assert "every layer's pre-hook waited for layer 3's gather" in first and "i=i" in first, first
+    from course.checks.lesson10.gather_hook import _gather_drawn_mistake, draw_gather
+
+    why = _gather_drawn_mistake(Learner(_namespace(GATHER_LATE_BINDING), get_exercise("10.gather_hook")),
+                                draw_gather()[1])
+    assert why and "every layer's pre-hook waited for layer 3's gather" in why and "i=i" in why, why
+
+
+PIPE_RIGHT = """
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in range(len(mine)):
+        step_slice(i)
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+    return works
+"""
+# The lesson's 4 buckets hard-coded: right on the old check's 4 buckets.
+PIPE_FOUR = _changed(PIPE_RIGHT, "for i in range(len(mine)):", "for i in range(4):")
+# Every slice stepped before any gather leaves.
+PIPE_STEP_ALL_FIRST = """
+def pipelined_step(mine, gathered, step_slice):
+    for i in range(len(mine)):
+        step_slice(i)
+    return [dist.all_gather_single(g, m, async_op=True) for g, m in zip(gathered, mine)]
+"""
+# The gather launched before its slice is stepped: it carries the old values.
+PIPE_GATHER_FIRST = """
+def pipelined_step(mine, gathered, step_slice):
+    works = []
+    for i in range(len(mine)):
+        works.append(dist.all_gather_single(gathered[i], mine[i], async_op=True))
+        step_slice(i)
+    return works
+"""
+
+
+def _pipe_mistake(source: str, case) -> str | None:
+    from course.checks.lesson10.pipelined import _pipe_drawn_mistake
+
+    return _pipe_drawn_mistake(Learner(_namespace(source), get_exercise("10.pipelined_step")), case)
+
+
+def test_pipelined_right_answer_passes_the_drawn_cases():
+    _passes("10.pipelined_step", _namespace(PIPE_RIGHT))
+
+
+def test_four_buckets_hard_coded_are_named():
+    first = _first("10.pipelined_step", _namespace(PIPE_FOUR))
+    assert first.startswith("2 ranks, 1 bucket") and "IndexError" in first, first
+    assert "this case has 1 bucket; the buckets are those of mine, however many" in first, first
+
+
+def test_stepping_everything_first_is_named_on_a_drawn_world():
+    from course.checks.lesson10.pipelined import draw_pipelined
+
+    assert "before launching any gather" in _first("10.pipelined_step", _namespace(PIPE_STEP_ALL_FIRST))
+    why = _pipe_mistake(PIPE_STEP_ALL_FIRST, draw_pipelined()[0])
+    assert why and "stepped all 3 slices before launching any gather" in why, why
+
+
+def test_a_gather_before_its_step_is_named_on_a_drawn_world():
+    from course.checks.lesson10.pipelined import draw_pipelined
+
+    assert "values from before the step" in _first("10.pipelined_step", _namespace(PIPE_GATHER_FIRST))
+    why = _pipe_mistake(PIPE_GATHER_FIRST, draw_pipelined()[2])
+    assert why and why.startswith("rank 0's steps and gathers ran as"), why

@@ -169,7 +169,8 @@ show(rs_figure(rs, figure_path("10_reduce_scatter.png")))
 #   owners' to step (the next exercise brings them back).
 #
 # The check runs 2 and 4 ranks whose slices have very different norms, once with clipping active
-# and once with a `max_norm` it does not reach.
+# and once with a `max_norm` it does not reach; then drawn cases: 2, 3 and 4 ranks, drawn slice
+# sizes, float32 and float64, every rank read.
 
 # %%
 def sharded_sgd_step(flat_params, grad_buffer, lr, max_norm):
@@ -222,7 +223,8 @@ check("10.sharded_step")
 #   one after the other (in `module.parameters(recurse=False)` order) and cut the result into N
 #   equal slices, slice `rank` being this rank's. The sharded step writes this rank's updated
 #   values into `mine[i]` (in place), then calls `launch()`. A layer's size need not divide by N
-#   (the check's first layer has 63 values on 2 ranks): decide what the slices hold then;
+#   (the check's first layer has 63 values on 2 ranks): decide what the slices hold then. Keep
+#   the values in the parameters' dtype (the check draws float64 models too);
 # - `launch()`: start every layer's all-gather, asynchronously:
 #   `dist.all_gather_single(output, input, async_op=True)` fills `output` (N times the size of
 #   `input`) with every rank's `input`, in rank order, and returns a work to `wait()` on;
@@ -234,7 +236,8 @@ check("10.sharded_step")
 #
 # Which buffers you keep (the gather's output, views into it, the works in flight) is yours to
 # lay out. The check runs 2 ranks through two steps and logs every launch, every wait and every
-# layer's start. A gather's output is only the result once its work is waited for (as on a real
+# layer's start; then drawn cases (2, 3 and 4 ranks, layer sizes N does not divide, float32 and
+# float64), every rank read. A gather's output is only the result once its work is waited for (as on a real
 # process group, where reading it earlier reads whatever is there; the check's ranks leave NaN).
 
 # %%
@@ -254,7 +257,7 @@ class ParamGather:
         for m in self.layers:
             params = list(m.parameters(recurse=False))
             size = -(-sum(p.numel() for p in params) // n)        # S = ceil(numel / N): N slices cover it
-            full = torch.zeros(size * n)                            # the gather's output; the tail is padding
+            full = torch.zeros(size * n, dtype=params[0].dtype)    # the gather's output; the tail is padding
             views, offset = [], 0
             for p in params:
                 views.append(full[offset:offset + p.numel()].view(p.shape))
@@ -461,7 +464,8 @@ assert all(0.4 < s < 0.6 for s in state_share), state_share
 # - **returns** the all-gathers in flight, one work per bucket, in bucket order: the next
 #   forward's pre-hooks wait for them, each where it is needed (as your `wait_for(i)` did).
 #
-# The check runs it on 2 thread ranks and logs every step, launch and wait; then the cell after it
+# The check runs it on 2 thread ranks and logs every step, launch and wait, then on drawn cases
+# (2, 3 and 4 ranks, 1 to 6 buckets of drawn sizes, float32 and float64); then the cell after it
 # times your schedule on rank 0 against "step everything, then gather", with each gather holding a
 # simulated link for as long as one slice's step takes.
 

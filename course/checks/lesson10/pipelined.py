@@ -4,14 +4,17 @@ and the measurement of what that buys on rank 0 (its steps timed, the gathers on
 from __future__ import annotations
 
 import functools
+import random
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from course.checks.drawn import after_colon, falsify, root_error, run_thread_ranks
 from course.grading import Exercise, Wrong
 
-from .threads import in_threads, run_ranks
+from .threads import ThreadWorld, _your_line, in_threads, run_ranks
 
 # =============================================================================================
 # 10.pipelined_step
@@ -160,6 +163,143 @@ def _(learner):
         where = f" (it first differs at event {k}: {seq[k][0]} of bucket {seq[k][1]})" if k is not None else ""
         raise AssertionError(f"rank 0's steps and gathers ran in another order than the pipelined one{where}")
     return f"{n} times: step bucket i, launch its gather; no wait"
+
+
+# Drawn cases (course/checks/drawn.py): 2, 3 and 4 ranks, 1 to 6 buckets of drawn sizes, float32 and float64, every
+# rank's log and gathered buffers read. The property: on every rank, for each bucket in forward order, its slice is
+# stepped and its all-gather launched at once (asynchronously, nothing waited), and every bucket's output holds every
+# rank's stepped slice, in rank order; one work per bucket comes back, in bucket order.
+@dataclass(frozen=True)
+class PipeDraw:
+    world_size: int
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+    seed: int
+
+    def __str__(self) -> str:
+        return (f"{self.world_size} ranks, {len(self.sizes)} bucket{'s' if len(self.sizes) != 1 else ''} of "
+                f"{', '.join(map(str, self.sizes))} elements per rank, {str(self.dtype).replace('torch.', '')}")
+
+
+def draw_pipelined(seed: int = 31, count: int = 4) -> list[PipeDraw]:
+    """3, 2 and 4 ranks in turn; never the old check's 4 buckets in the first cases (3, 5, 2, 6)."""
+    rng = random.Random(seed)
+    return [PipeDraw((3, 2, 4, 3)[k % 4], tuple(rng.randint(1, 9) for _ in range((3, 5, 2, 6)[k % 4])),
+                     (torch.float64, torch.float32)[k % 2], rng.randrange(1000)) for k in range(count)]
+
+
+def _drawn_slices(case: PipeDraw, rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(case.seed * 10 + rank)
+    return [torch.randn(s, generator=g, dtype=torch.float64).to(case.dtype) for s in case.sizes]
+
+
+def _pipe_drawn_rank(rank, case: PipeDraw, world, fn):
+    mine = _drawn_slices(case, rank)
+    gathered = [torch.zeros(case.world_size * m.numel(), dtype=case.dtype) for m in mine]
+    stepped: list[int] = []
+
+    def step_slice(i):
+        i = int(i)
+        if i in stepped:
+            raise RuntimeError(f"step_slice({i}) called twice: each bucket's slice is stepped once per step")
+        stepped.append(i)
+        world.note(rank, "step", bucket=i)
+        with torch.no_grad():
+            mine[i].sub_(0.1 * (mine[i] + i))
+
+    world.take(rank)
+    works = fn(mine, gathered, step_slice)
+    log = world.take(rank)
+    returned = list(works) if isinstance(works, (list, tuple)) else None
+    outputs = {g.data_ptr(): i for i, g in enumerate(gathered)}
+    order = None if returned is None else [
+        outputs.get(getattr(getattr(getattr(w, "_op", None), "tensor", None), "data_ptr", lambda: None)())
+        for w in returned]
+    for w in returned or []:
+        if w is not None and hasattr(w, "wait"):
+            w.wait()
+    ptr = {m.data_ptr(): i for i, m in enumerate(mine)}
+    seq = [("step", e["bucket"]) if e["event"] == "step" else ("gather", ptr.get(e.get("src_ptr")))
+           for e in log if e["event"] == "step" or (e["event"] == "launch" and e["kind"] == "all_gather")]
+    return {"seq": seq, "stepped": stepped, "order": order, "returned": returned, "gathered": gathered,
+            "sync": any(e["event"] == "launch" and e["kind"] == "all_gather" and not e.get("async_op") for e in log),
+            "waited": any(e["event"] == "wait" and e.get("kind") == "all_gather" for e in log)}
+
+
+def _pipe_drawn_mistake(learner, case: PipeDraw) -> str | None:
+    """None when every rank holds the property above; else what the first rank that broke it did."""
+    world = ThreadWorld(case.world_size, timeout_s=3.0, fail_fast=True)
+    results, errors = run_thread_ranks(case.world_size, lambda r: _pipe_drawn_rank(r, case, world,
+                                                                                    learner.pipelined_step),
+                                       world=world)
+    found = root_error(errors)
+    if found is not None:
+        rank, exc = found
+        text = str(exc).strip().splitlines()
+        said = f"rank {rank} raised {type(exc).__name__}: {text[-1] if text else ''}{_your_line(exc)}"
+        if isinstance(exc, IndexError):
+            return (f"{said}: this case has {len(case.sizes)} bucket{'s' if len(case.sizes) != 1 else ''}; the "
+                    f"buckets are those of mine, however many")
+        return said
+    n = len(case.sizes)
+    stepped = [_drawn_slices(case, r) for r in range(case.world_size)]
+    stepped = [[x - 0.1 * (x + i) for i, x in enumerate(s)] for s in stepped]
+    for rank, res in enumerate(results):
+        if sorted(res["stepped"]) != list(range(n)):
+            missing = sorted(set(range(n)) - set(res["stepped"]))
+            return (f"rank {rank} stepped buckets {res['stepped']} of {n}: bucket(s) {missing} never; the number of "
+                    f"buckets is len(mine), whatever it is")
+        if res["sync"]:
+            return f"rank {rank} launched a gather synchronously (async_op=False): the step stops until it has crossed"
+        if res["waited"]:
+            return f"rank {rank} waited for a gather itself: the step stands still while the bytes cross the link"
+        want = [x for i in range(n) for x in (("step", i), ("gather", i))]
+        if res["seq"] != want:
+            gathers = [i for what, i in res["seq"] if what == "gather"]
+            if gathers != list(range(n)):
+                return f"rank {rank}'s gathers went out in the order {gathers}, for {n} buckets in forward order"
+            first = next(k for k, (what, _) in enumerate(res["seq"]) if what == "gather")
+            if first == n:
+                return (f"rank {rank} stepped all {n} slices before launching any gather: bucket 0's gather waited "
+                        f"for the other slices' steps")
+            return (f"rank {rank}'s steps and gathers ran as {res['seq'][:2 * n]}: a bucket's gather leaves right "
+                    f"after its own slice's step")
+        if res["order"] is None or len(res["order"]) != n or res["order"] != list(range(n)):
+            return (f"rank {rank} returned the works of buckets {res['order']}: one work per bucket, {n} of them, in "
+                    f"bucket order")
+        for i in range(n):
+            got = res["gathered"][i]
+            want = torch.cat([stepped[r][i] for r in range(case.world_size)])
+            if got.dtype != case.dtype or not torch.allclose(got, want):
+                return f"rank {rank}: bucket {i}'s gathered buffer does not hold every rank's stepped slice in rank order"
+    return None
+
+
+def _smaller_pipe(case: PipeDraw):
+    for w in (2, 3):
+        if w < case.world_size:
+            yield replace(case, world_size=w)
+    for k in (1, 2, 3):
+        if k < len(case.sizes):
+            yield replace(case, sizes=case.sizes[:k])
+    if case.dtype != torch.float32:
+        yield replace(case, dtype=torch.float32)
+    if any(s > 2 for s in case.sizes):
+        yield replace(case, sizes=tuple(min(s, 2) for s in case.sizes))
+
+
+@pipe_ex.case("drawn: 2, 3 and 4 ranks, 1 to 6 buckets of drawn sizes, float32 and float64, every rank read",
+              hint=PIPE_HINT, reveal=PIPE_REVEAL, timeout=60, after=VALUES_CASE)
+def _(learner):
+    """Property: on drawn cases (2, 3 and 4 thread ranks, 1 to 6 buckets of 1 to 9 elements, float32 and float64),
+    every rank steps each bucket's slice and launches its all-gather at once, in forward order, asynchronously and
+    without waiting, returns one work per bucket in bucket order, and each output holds every rank's stepped slice."""
+    cases = draw_pipelined()
+    found = falsify(cases, lambda c: None if (why := _pipe_drawn_mistake(learner, c)) is None else f"{c}: {why}",
+                    smaller=_smaller_pipe, budget=12, kind=after_colon)
+    if found is not None:
+        raise Wrong(str(found), reveal=PIPE_REVEAL)
+    return f"{len(cases)} drawn cases, every rank read"
 
 
 # =============================================================================================

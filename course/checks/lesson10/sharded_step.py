@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import functools
 import math
+import random
+from dataclasses import dataclass, replace
 
 import torch
 
+from course.checks.drawn import after_colon, falsify, root_error, run_thread_ranks
 from course.grading import Exercise, Wrong
 
-from .threads import _close, run_ranks
+from .threads import _close, _your_line, run_ranks
 
 
 # =============================================================================================
@@ -205,3 +208,125 @@ def _(learner):
                                      f"-lr x the clipped gradient")
     return "2 and 4 ranks, clipping active and inactive"
 
+
+# Drawn cases (course/checks/drawn.py): 2, 3 and 4 ranks, slices of drawn sizes, float32 and float64, one rank's
+# slice far larger than the others (drawn which), max_norm below or above the global norm; every rank read. The
+# property: every rank returns the whole mean gradient's 2-norm, the same number, and changes only its own slice, by
+# -lr x its gradient slice x min(1, max_norm / that norm).
+@dataclass(frozen=True)
+class StepDraw:
+    world_size: int
+    size: int
+    dtype: torch.dtype
+    big: int            # the rank whose slice of the mean gradient is large
+    scale: float        # max_norm = scale x the global norm
+    seed: int
+
+    def __str__(self) -> str:
+        return (f"{self.world_size} ranks, S = {self.size}, {str(self.dtype).replace('torch.', '')}, rank "
+                f"{self.big}'s slice the largest, max_norm {self.scale:g} x the global norm")
+
+
+def draw_step(seed: int = 23, count: int = 4) -> list[StepDraw]:
+    rng = random.Random(seed)
+    return [StepDraw((3, 4, 2, 3)[k % 4], rng.randint(1, 9), (torch.float64, torch.float32)[k % 2],
+                     rng.randrange((3, 4, 2, 3)[k % 4]), (0.3, 0.6, 2.0, 0.1)[k % 4], rng.randrange(1000))
+            for k in range(count)]
+
+
+def _drawn_step_slices(case: StepDraw) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(case.seed)
+    out = []
+    for j in range(case.world_size):
+        v = torch.randn(case.size, generator=g, dtype=torch.float64) + 0.1
+        out.append((v / v.norm() * (4.0 if j == case.big else 0.3 + 0.1 * j)).to(case.dtype))
+    return out
+
+
+def _drawn_step_inputs(case: StepDraw, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n, size = case.world_size, case.size
+    params = torch.linspace(-1.0, 1.0, n * size, dtype=torch.float64).to(case.dtype)
+    buf = (torch.full((n * size,), 5.0 + rank, dtype=torch.float64)
+           * torch.cos(torch.arange(n * size, dtype=torch.float64))).to(case.dtype)
+    buf[rank * size:(rank + 1) * size] = _drawn_step_slices(case)[rank]
+    return params, buf
+
+
+def _step_drawn_mistake(learner, case: StepDraw) -> str | None:
+    """None when every rank holds the property above; else what the first rank that broke it did."""
+    slices = _drawn_step_slices(case)
+    truth = math.sqrt(sum(float(s.double().pow(2).sum()) for s in slices))
+    max_norm = case.scale * truth
+    n, size = case.world_size, case.size
+
+    def fn(rank):
+        params, buf = _drawn_step_inputs(case, rank)
+        norm = learner.sharded_sgd_step(params, buf, STEP_LR, max_norm)
+        return norm, params.clone()
+
+    results, errors = run_thread_ranks(n, fn)
+    found = root_error(errors)
+    if found is not None:
+        rank, exc = found
+        text = str(exc).strip().splitlines()
+        return f"rank {rank} raised {type(exc).__name__}: {text[-1] if text else ''}{_your_line(exc)}"
+    local = [float(s.double().norm()) for s in slices]
+    for rank, (norm, got) in enumerate(results):
+        start, buf = _drawn_step_inputs(case, rank)
+        moved = (got != start).nonzero().reshape(-1).tolist()
+        mine = slice(rank * size, (rank + 1) * size)
+        if any(not rank * size <= k < (rank + 1) * size for k in moved):
+            return (f"rank {rank} changed elements {moved[0]} to {moved[-1]}; its slice is elements {rank * size} to "
+                    f"{(rank + 1) * size - 1} (S = {n * size} / {n}): it steps only the slice it owns, whatever the "
+                    f"world size")
+        if isinstance(norm, torch.Tensor) and norm.numel() == 1:
+            norm = norm.item()
+        if not isinstance(norm, (int, float)):
+            return f"rank {rank} returned {type(norm).__name__}, not the total norm (a float)"
+        norm = float(norm)
+        if not _near(norm, truth):
+            if _near(norm, local[rank]):
+                return f"rank {rank} returned {norm:.4f}, the norm of its own slice; the whole gradient's is {truth:.4f}"
+            if _near(norm, max(local)):
+                return f"rank {rank} returned {norm:.4f}, the largest slice's norm (a maximum over the ranks, not a sum)"
+            if _near(norm, sum(local)):
+                return f"rank {rank} returned {norm:.4f}, the sum of the ranks' norms, not the norm of the whole"
+            return f"rank {rank} returned {norm:.4f}; the whole gradient's norm is {truth:.4f}"
+        g = slices[rank]
+        coef = min(1.0, max_norm / (truth + 1e-6))
+        tol = 1e-4 if case.dtype == torch.float32 else 1e-9
+        if torch.allclose(got[mine], start[mine] - STEP_LR * coef * g, rtol=tol, atol=tol):
+            continue
+        own = min(1.0, max_norm / (local[rank] + 1e-6))
+        if torch.allclose(got[mine], start[mine] - STEP_LR * own * g, rtol=tol, atol=tol):
+            return (f"rank {rank} clipped with its own slice's norm ({local[rank]:.3f}), not the global one "
+                    f"({truth:.3f}) it returned: its coefficient {own:.3f}, the others' {coef:.3f}")
+        if got.dtype != case.dtype:
+            return f"rank {rank}'s parameters came back as {got.dtype}, given {case.dtype}"
+        return f"rank {rank}'s slice after the step differs from -lr x the gradient clipped with the global norm"
+    return None
+
+
+def _smaller_step(case: StepDraw):
+    for w in (2, 3):
+        if w < case.world_size:
+            yield replace(case, world_size=w, big=min(case.big, w - 1))
+    if case.dtype != torch.float32:
+        yield replace(case, dtype=torch.float32)
+    if case.size > 2:
+        yield replace(case, size=2)
+
+
+@step_ex.case("drawn: 2, 3 and 4 ranks, drawn slice sizes, float32 and float64, every rank read",
+              hint=STEP_HINT, reveal=STEP_REVEAL, timeout=60,
+              after="it returns the whole gradient's 2-norm, the same number on every rank (2 and 4 ranks)")
+def _(learner):
+    """Property: on drawn cases (2, 3 and 4 thread ranks, slices of 1 to 9 elements, float32 and float64, a drawn
+    rank's slice the largest, max_norm below or above the global norm), every rank returns the global norm and changes
+    only its own slice, by -lr x its gradient slice x min(1, max_norm / global norm)."""
+    cases = draw_step()
+    found = falsify(cases, lambda c: None if (why := _step_drawn_mistake(learner, c)) is None else f"{c}: {why}",
+                    smaller=_smaller_step, budget=12, kind=after_colon)
+    if found is not None:
+        raise Wrong(str(found), reveal=STEP_REVEAL)
+    return f"{len(cases)} drawn cases, every rank read"
