@@ -84,3 +84,41 @@ def test_the_three_run_sample_runs_and_fills_the_table(tmp_path):
     assert all(r["run"] in text for r in rows)
     summary = summarize(rows)
     assert summary["ran"] == 3 and summary["advised"] >= 1
+
+
+def test_with_probes_something_to_gain_is_what_the_advice_or_a_probe_measured():
+    base = dict(layers=2, tied=True, collate="none", collate_ms=0.0, rate_mbit=None, bucket_mb=1.0,
+                grad_sync="overlap", accumulation=1, prefetch_depth=2, load_before=0.1, load_after=0.1,
+                efficiency=0.5, before_ms=10.0)
+    advised = dict(unit="ms/step", predicted=8.0, error=0.0)
+    rows = [
+        dict(base, run="right", applied={"prefetch_depth": 2}, saved=0.3, measured=7.0, **advised),
+        # Advised wrong, and a probe found what it should have said: counted against the advice.
+        dict(base, run="wrong", applied={"grad_bucket_mb": 4.0}, saved=0.0, measured=10.0, **advised,
+             probes=[{"change": {"grad_sync": "sharded"}, "step_ms": 8.0, "saved": 0.2}]),
+        # No advice, and no probe helps: nothing to gain, not counted.
+        dict(base, run="nothing", probes=[{"change": {"grad_bucket_mb": 4.0}, "step_ms": 10.1, "saved": -0.01}]),
+        # No advice, a probe helps: a miss.
+        dict(base, run="missed", probes=[{"change": {"prefetch_depth": 0}, "step_ms": 9.0, "saved": 0.1}]),
+        # Advised, saved nothing, and nothing else would have: advised without gain.
+        dict(base, run="idle", applied={"grad_bucket_mb": 4.0}, saved=0.01, measured=9.9, **advised,
+             probes=[{"change": {"grad_bucket_mb": 1.0}, "step_ms": 10.0, "saved": 0.0}]),
+    ]
+    s = summarize(rows)
+    assert s["gain_measured_by_probes"] and s["runs_with_something_to_gain"] == ["right", "wrong", "missed"]
+    assert s["first_advice_right_of_gain"] == "1/3"
+    assert s["missed_gain"] == {"wrong": {"grad_sync": "sharded"}, "missed": {"prefetch_depth": 0}}
+    assert s["advised_without_gain"] == ["idle"]
+    rows[1]["saved"] = rows[3]["probes"][0]["saved"] = 0.06   # the advice right, and the miss gone (now: "nothing")
+    rows[3]["probes"][0]["saved"] = 0.01
+    assert summarize(rows)["first_advice_right_of_gain"] == "2/2"
+
+
+def test_the_probes_of_a_serial_run_try_overlap_with_and_without_a_cap():
+    from dev.bench.sweep import RunSpec, probes
+
+    serial = RunSpec("x", 2, True, "none", 0.0, 500, float("inf"), "serial", 1, 0)
+    assert probes(serial) == [{"grad_sync": "overlap"}, {"grad_sync": "overlap", "grad_bucket_mb": 1.0},
+                              {"grad_bucket_mb": 1.0}, {"prefetch_depth": 2}]
+    sharded = RunSpec("y", 2, True, "none", 0.0, 500, 1.0, "sharded", 1, 2)
+    assert probes(sharded) == [{"grad_sync": "overlap"}, {"grad_bucket_mb": 4.0}, {"prefetch_depth": 0}]

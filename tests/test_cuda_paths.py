@@ -156,10 +156,16 @@ def test_a_mixed_backend_still_gets_the_high_priority_group(monkeypatch):
     assert group == "own group" and made[0]["pg_options"].is_high_priority_stream is True
 
 
-@pytest.mark.parametrize("backend,grad_sync", [("nccl", "overlap"), ("gloo", "sharded")])
-def test_overlap_at_normal_priority_and_gloo_keep_the_default_group(monkeypatch, backend, grad_sync):
-    group, made = _group_choice(monkeypatch, backend, "normal", grad_sync)
+@pytest.mark.parametrize("backend,priority", [("nccl", "normal"), ("gloo", "normal"), ("gloo", "high")])
+def test_overlap_keeps_the_default_group_unless_nccl_is_asked_for_high_priority(monkeypatch, backend, priority):
+    group, made = _group_choice(monkeypatch, backend, priority, "overlap")
     assert group is None and made == []
+
+
+def test_sharded_on_gloo_gets_its_own_gloo_group(monkeypatch):
+    # Gloo's work queue is a FIFO too: the Trainer's num_items gather would wait for every all-gather.
+    group, made = _group_choice(monkeypatch, "gloo", "normal", "sharded")
+    assert group == "own group" and made[0]["backend"] == "gloo" and made[0]["timeout"].total_seconds() == 60
 
 
 def test_a_replan_drops_the_old_plans_wire_buffers_before_the_new_plan_builds_its_own():

@@ -163,3 +163,53 @@ def test_report_fields_of_a_sharded_record():
     assert "all-gather exposed" in text and "reduce-scatter busy" in text and "cross-step limit" in text
     plain = summarize([StepRecord(1, 0, 10, 20, 30, 5, 4, 50)], warmup=0)
     assert "cross_step_limit_ms" not in plain and "cross-step limit" not in format_report(plain)   # absent, not NaN
+
+
+# -- the Trainer's items count, between the data and the forward ------------------------------------------
+def _step_with_items_count(items_s: float, gather_busy_ms: float):
+    timeline = StepTimeline()
+    timeline.begin_step(1)
+    time.sleep(0.01)
+    timeline.data_ready()
+    t0 = time.perf_counter()
+    time.sleep(items_s)
+    timeline.items_counted(t0, time.perf_counter())
+    timeline.data_ready()   # get_batch_samples' own mark after it: the step's first one counts
+    timeline.forward_start()
+    timeline.forward_end()
+    timeline.backward_end()
+    timeline.add_comm(comm_busy_ms=5.0, exposed_comm_ms=0.0, all_gather_busy_ms=gather_busy_ms,
+                      all_gather_exposed_ms=0.0)
+    timeline.optimizer_start()
+    timeline.end_step()
+    timeline.resolve(wait=True)
+    return timeline.records[-1]
+
+
+def test_the_items_count_behind_the_all_gathers_is_exposed_all_gather_not_data_wait():
+    rec = _step_with_items_count(0.05, gather_busy_ms=200.0)   # the gathers were on the link all along
+    assert 10 <= rec.data_wait_ms < 30
+    assert rec.all_gather_exposed_ms >= 50 and rec.exposed_comm_ms >= 50
+    short = _step_with_items_count(0.05, gather_busy_ms=20.0)   # only 20 ms of gathers to wait behind
+    assert short.all_gather_exposed_ms == pytest.approx(20.0)
+    assert short.data_wait_ms >= 10 + 30 - 1     # the rest: a wait for another rank's batch
+    assert short.exposed_comm_ms <= short.comm_busy_ms
+
+
+def _sharded_trainer_spans(rank, world_size, tmp):
+    from hfstream import StreamTrainer, StreamTrainingArguments
+    from tiny import lm_dataset, tiny_causal_lm, train_args
+
+    trainer = StreamTrainer(model=tiny_causal_lm(), train_dataset=lm_dataset(),
+                            args=train_args(StreamTrainingArguments, tmp, max_steps=4, grad_sync="sharded",
+                                            prefetch_depth=0))
+    trainer.train()
+    return sorted({span[2] for span in trainer.stream_report()["spans"]}), trainer._grad_group is not None
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_trainer_measures_its_items_count_and_runs_its_gathers_on_a_group_of_their_own(tmp_path):
+    for names, group in run_on_ranks(_sharded_trainer_spans, 2, str(tmp_path), init_process_group=False,
+                                     timeout=240):
+        assert "items count" in names, names
+        assert group   # not the default group, whose FIFO the Trainer's gather shares

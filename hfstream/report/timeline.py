@@ -224,6 +224,7 @@ class _PendingStep:
     all_gather_busy_ms: float = math.nan     # grad_sync="sharded": the previous step's all-gathers
     all_gather_exposed_ms: float = math.nan
     comm_cpu_ms: float = math.nan            # the process group's threads' CPU, from the last step's end to this one's
+    items_span: tuple | None = None          # (start, end): the Trainer's count of the step's items across ranks
 
 
 class Span(tuple):
@@ -302,10 +303,19 @@ class StepTimeline:
             self._comm_cpu_mark = self._comm_cpu.seconds()
 
     def data_ready(self) -> None:
-        if self._cur is not None:
+        """The step's batches are loaded (the first call of a step counts; a later one is a no-op)."""
+        if self._cur is not None and not self._cur.data_end:
             self._cur.data_end = time.perf_counter()
             self._cur.data_wait_ms += (self._cur.data_end - self._data_t0) * 1e3
             self._host_interval("data", self._cur.data_end)
+
+    def items_counted(self, start: float, end: float) -> None:
+        """Under ``grad_sync="sharded"``: the Trainer counted the step's items across ranks from ``start`` to
+        ``end`` (perf_counter), after `data_ready`. A collective, which waits behind the previous step's
+        all-gathers still on the link: exposed communication (all-gather), as far as they were in flight;
+        the rest, a wait for another rank's batch, stays data wait."""
+        if self._cur is not None:
+            self._cur.items_span = (start, end)
 
     def forward_start(self) -> None:
         if self._cur is not None:
@@ -443,8 +453,13 @@ class StepTimeline:
             gather_exposed = min(gather_exposed, fwd)
             fwd -= gather_exposed
             busy, exposed = busy + gather_busy, exposed + gather_exposed
+        data_wait = p.data_wait_ms
+        if p.items_span is not None and not math.isnan(gather_busy):   # the items count, behind the gathers
+            items = (p.items_span[1] - p.items_span[0]) * 1e3
+            behind = min(items, max(0.0, gather_busy - gather_exposed))
+            exposed, gather_exposed, data_wait = exposed + behind, gather_exposed + behind, data_wait + items - behind
         self.records.append(StepRecord(
-            step=p.step, data_wait_ms=p.data_wait_ms, forward_ms=fwd, backward_ms=bwd,
+            step=p.step, data_wait_ms=data_wait, forward_ms=fwd, backward_ms=bwd,
             comm_busy_ms=busy, exposed_comm_ms=exposed,
             optimizer_ms=ms(opt_start, p.end), step_ms=step_ms,
             all_gather_busy_ms=gather_busy, all_gather_exposed_ms=gather_exposed, comm_cpu_ms=p.comm_cpu_ms,
@@ -464,6 +479,8 @@ class StepTimeline:
             add(Span(r, "compute", "backward", at(f1), at(b1)))
         for t0, t1 in p.exposed_spans:
             add(Span(r, "compute", "exposed comm", t0, t1))
+        if p.items_span is not None:
+            add(Span(r, "compute", "items count", *p.items_span))
         add(Span(r, "compute", "optimizer", at(opt_start), at(p.end)))
         for name, t0, t1 in p.comm_spans:
             add(Span(r, "comm", name, t0, t1))

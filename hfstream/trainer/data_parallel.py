@@ -71,7 +71,7 @@ def resolve_grad_sync(args, accelerator, tensor_parallel_model: bool) -> Mode:
 
 
 def gradient_group(args):
-    """On NCCL, a group of the gradient collectives' own where they need one; else None (the default group).
+    """A group of the gradient collectives' own where they need one; else None (the default group).
 
     One is made for ``comm_stream_priority="high"``: NCCL fixes its stream's priority when the
     communicator is created, so the default group (made by Accelerate) cannot be raised
@@ -79,7 +79,10 @@ def gradient_group(args):
     all-gathers are in flight across the next forward, and a communicator runs its collectives
     in the order they were queued, so on the default group the Trainer's per-step
     ``accelerator.gather(num_items_in_batch)`` (before the forward) would wait for every
-    gather. Under "overlap"/"serial" with normal priority the default group is kept: every
+    gather. So on gloo too (its work queue is a FIFO as well, ``ProcessGroupGloo.hpp``'s
+    ``workQueue_``): a 2-rank sharded run on a 200 Mbit/s link waited 47 ms a step for that gather
+    on the default group, 31 ms on its own (the rest is the link itself, still busy with the
+    gathers), and stepped in 114 ms instead of 130. Under "overlap"/"serial" with normal priority the default group is kept: every
     gradient collective has finished at ``finish()``, before the step, so nothing of the
     Trainer's queues behind one. A mixed backend ("cpu:gloo,cuda:nccl") counts as NCCL: its CUDA
     collectives are. The Trainer creates the group once and reuses it for every ``train()`` (a
@@ -90,11 +93,15 @@ def gradient_group(args):
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return None
     high = args.comm_stream_priority == "high"
-    if not (high or getattr(args, "grad_sync", None) == Mode.SHARDED):
-        return None
-    if "nccl" not in str(dist.get_backend()) or not hasattr(dist, "ProcessGroupNCCL"):
+    sharded = getattr(args, "grad_sync", None) == Mode.SHARDED
+    if not (high or sharded):
         return None
     timeout = datetime.timedelta(seconds=args.ddp_timeout)
+    backend = str(dist.get_backend())
+    if sharded and "nccl" not in backend and "gloo" in backend:
+        return dist.new_group(backend="gloo", timeout=timeout)
+    if "nccl" not in backend or not hasattr(dist, "ProcessGroupNCCL"):
+        return None
     options = dist.ProcessGroupNCCL.Options()
     options.is_high_priority_stream = high
     # new_group() compares the options' own timeout with its argument and warns on every rank when

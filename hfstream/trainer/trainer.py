@@ -212,6 +212,19 @@ class StreamTrainerMixin:
             self._timeline.data_ready()
         return batches
 
+    def _get_num_items_in_batch(self, batch_samples, device):
+        # The batches are loaded (get_batch_samples calls this after its loader). What follows is the
+        # Trainer's count of the step's items across ranks, a collective: under sharded it waits behind
+        # the previous step's all-gathers on the link, which is exposed communication, not data wait.
+        if self._timeline is None or not self._zero1_optimizer:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        self._timeline.data_ready()
+        t0 = time.perf_counter()
+        try:
+            return super()._get_num_items_in_batch(batch_samples, device)
+        finally:
+            self._timeline.items_counted(t0, time.perf_counter())
+
     def _prefetched(self, epoch_iterator):
         """The same iterator, ``prefetch_depth`` batches ahead. One prefetcher per epoch iterator."""
         if self.args.prefetch_depth == 0:
