@@ -486,3 +486,93 @@ def test_a_gather_before_its_step_is_named_on_a_drawn_world():
     assert "values from before the step" in _first("10.pipelined_step", _namespace(PIPE_GATHER_FIRST))
     why = _pipe_mistake(PIPE_GATHER_FIRST, draw_pipelined()[2])
     assert why and why.startswith("rank 0's steps and gathers ran as"), why
+
+
+# =============================================================================================
+# Lesson 08: drawn reports (2, 3 and 4 ranks, each cost the largest in turn), the migration
+# =============================================================================================
+READ_RIGHT = """
+def read_report(report):
+    m = report["mean"]
+    other = m["step_ms"] - sum(m[k] for k in ("data_wait_ms", "forward_ms", "backward_ms", "exposed_comm_ms",
+                                              "optimizer_ms"))
+    costs = {"data_wait_ms": m["data_wait_ms"], "exposed_comm_ms": m["exposed_comm_ms"], "other": other}
+    steps = [r["step_ms"] for r in report["per_rank"]]
+    return {"efficiency": m["ideal_ms"] / m["step_ms"], "headroom_ms": m["step_ms"] - m["ideal_ms"],
+            "biggest": max(costs, key=costs.get), "slowest_rank": steps.index(max(steps))}
+"""
+# The slowest rank taken as the one with the most exposed communication: on the recorded reports the same rank.
+READ_MOST_EXPOSED = _changed(READ_RIGHT, 'steps = [r["step_ms"] for r in report["per_rank"]]',
+                             'steps = [r["exposed_comm_ms"] for r in report["per_rank"]]')
+# 'other' without the optimizer step: on the recorded reports still far below the largest cost.
+READ_OTHER_WITHOUT_OPTIMIZER = _changed(READ_RIGHT, '"exposed_comm_ms",\n                                              "optimizer_ms"))',
+                                        '"exposed_comm_ms"))')
+# The efficiency as the mean of the ranks' efficiencies: on the recorded reports within 0.1 % of the mean row's.
+READ_MEAN_OF_EFFICIENCIES = _changed(
+    READ_RIGHT, '"efficiency": m["ideal_ms"] / m["step_ms"]',
+    '"efficiency": sum(r["efficiency"] for r in report["per_rank"]) / len(report["per_rank"])')
+
+
+def test_the_drawn_reports_cover_ranks_costs_and_slowest_ranks():
+    from course.checks.lesson08 import CHOICES, draw_reports, drawn_report, report_truth
+
+    cases = draw_reports()
+    truths = [report_truth(drawn_report(c)) for c in cases]
+    assert {c.ranks for c in cases} == {2, 3, 4} and {t["biggest"] for t in truths} == set(CHOICES)
+    assert [t["biggest"] for t in truths] == [c.biggest for c in cases]
+    assert [t["slowest_rank"] for t in truths] == [c.slowest for c in cases]
+    assert any(0 < c.slowest < c.ranks - 1 for c in cases), "the slowest rank is drawn, not always the first or last"
+    _passes("08.read_report", _namespace(READ_RIGHT))
+
+
+def test_the_rank_with_the_most_exposed_communication_is_named_not_slowest():
+    first = _first("08.read_report", _namespace(READ_MOST_EXPOSED))
+    assert "the rank with the most exposed communication" in first and "waits" in first, first
+
+
+def test_an_other_without_the_optimizer_is_named():
+    first = _first("08.read_report", _namespace(READ_OTHER_WITHOUT_OPTIMIZER))
+    assert "your 'other' left optimizer_ms" in first, first
+
+
+def test_the_mean_of_the_ranks_efficiencies_is_named():
+    first = _first("08.read_report", _namespace(READ_MEAN_OF_EFFICIENCIES))
+    assert "the mean of the ranks' efficiencies" in first, first
+
+
+MIGRATE_RIGHT = """
+from transformers import Trainer, TrainingArguments
+from hfstream import StreamTrainer, StreamTrainingArguments
+
+
+def stream_trainer(model, train_dataset, output_dir):
+    args = StreamTrainingArguments(
+        output_dir=output_dir, max_steps=6, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        learning_rate=3e-3, lr_scheduler_type="constant", logging_steps=3, seed=0, ddp_bucket_cap_mb=1,
+        report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=True,
+        prefetch_depth=2, grad_sync="overlap",
+    )
+    return StreamTrainer(model=model, args=args, train_dataset=train_dataset)
+"""
+# "Tuned while migrating": clipping tightened (lesson 07's clip), not one of the settings the old check compared.
+MIGRATE_CLIPPED = _changed(MIGRATE_RIGHT, 'grad_sync="overlap",', 'grad_sync="overlap", max_grad_norm=0.5,')
+# The lesson's dataset built again inside: the old check's 64 examples, whatever was passed in.
+MIGRATE_OWN_DATA = _changed(MIGRATE_RIGHT, "train_dataset=train_dataset)",
+                            "train_dataset=tiny_dataset(64))\n\n\nfrom course.checks.lesson08 import tiny_dataset")
+# Weight decay added (a common Trainer-script default), again outside the compared settings.
+MIGRATE_DECAY = _changed(MIGRATE_RIGHT, 'grad_sync="overlap",', 'grad_sync="overlap", weight_decay=0.01,')
+DRAWN_MIGRATION = ["it builds a StreamTrainer", "drawn models"]
+
+
+def test_the_migration_passes_the_drawn_cases():
+    _passes("08.migrate", _namespace(MIGRATE_RIGHT), DRAWN_MIGRATION)
+
+
+@pytest.mark.parametrize("source, words", [
+    (MIGRATE_CLIPPED, "max_grad_norm is 0.5, the stock script's is 1.0"),
+    (MIGRATE_OWN_DATA, "trains on a dataset of 64 examples, not the "),
+    (MIGRATE_DECAY, "weight_decay is 0.01, the stock script's is 0.0"),
+], ids=["clipped", "own_data", "weight_decay"])
+def test_a_migration_that_changes_what_is_computed_is_named(source, words):
+    first = _first("08.migrate", _namespace(source), DRAWN_MIGRATION)
+    assert first.startswith("a tiny GPT-2 of ") and words in first, first

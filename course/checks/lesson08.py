@@ -18,9 +18,11 @@ import io
 import math
 import random
 import tempfile
+from dataclasses import dataclass, replace
 
 import torch
 
+from course.checks.drawn import after_colon, falsify
 from course.grading import Exercise, Learner, Wrong, get_exercise
 
 # The stock script's settings (the notebook's `stock_trainer` writes them out literally).
@@ -62,9 +64,15 @@ migrate = Exercise("08.migrate", uses=["stream_trainer"], title="from Trainer to
 
 
 def _build(learner):
+    """The learner's trainer on a tiny GPT-2 and 64 examples, built once per check for the cases that only read it
+    (a trainer to train is built fresh: another TrainingArguments made since resets the accelerator state it holds)."""
+    return learner.once("08.migrate-built", lambda: _build_fresh(learner))
+
+
+def _build_fresh(learner):
     from course.lib import tiny_gpt2
 
-    model = tiny_gpt2(layers=2, width=64, positions=32)
+    model = tiny_gpt2(layers=1, width=32, positions=32)
     out = tempfile.mkdtemp(prefix="hfstream-l08-")
     try:
         trainer = learner.stream_trainer(model, tiny_dataset(64), out)
@@ -149,7 +157,7 @@ def _(learner):
 def _(learner):
     """Property: the migrated trainer trains in one process for the stock max_steps, and stream_report() has a mean
     with measured steps."""
-    trainer, _ = _build(learner)
+    trainer, _ = _build_fresh(learner)
     with one_thread(), contextlib.redirect_stdout(io.StringIO()):   # the Trainer's log lines: not ours to show
         trainer.train()
     assert trainer.state.global_step == STOCK["max_steps"], (
@@ -160,6 +168,107 @@ def _(learner):
         raise Wrong("stream_report() is empty: leave stream_report=True (the default)")
     return (f"{trainer.state.global_step} steps, {mean['step_ms']:.1f} ms per step, "
             f"efficiency {mean['efficiency']:.0%}")
+
+
+# Drawn cases (course/checks/drawn.py): tiny GPT-2s of drawn depth and width, datasets of drawn sizes. The property:
+# stream_trainer trains the model and the data it is given, every TrainingArguments field that decides what the run
+# computes is the stock script's (hfstream's own changes aside), and its run gives the stock Trainer's weights, step
+# for step the same (one process: nothing is communicated, so nothing may differ).
+@dataclass(frozen=True)
+class MigrationDraw:
+    layers: int
+    width: int
+    examples: int
+    seed: int
+
+    def __str__(self) -> str:
+        return (f"a tiny GPT-2 of {self.layers} layer{'s' if self.layers != 1 else ''}, width {self.width}, on "
+                f"{self.examples} examples")
+
+
+# Fields that say where and how a run is shown, not what it computes.
+SHOWN_ONLY = {"output_dir", "logging_dir", "logging_steps", "logging_strategy", "logging_first_step", "report_to",
+              "disable_tqdm", "save_strategy", "save_steps", "run_name", "overwrite_output_dir", "ddp_bucket_cap_mb"}
+
+
+def draw_migrations(seed: int = 29, count: int = 2) -> list[MigrationDraw]:
+    rng = random.Random(seed)
+    return [MigrationDraw(1 + k % 2, rng.choice((16, 24)), rng.randint(24, 60), rng.randrange(1000))
+            for k in range(count)]
+
+
+def _stock_fields(args) -> dict:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainingArguments)
+            if f.init and f.name not in SHOWN_ONLY}
+
+
+def _migration_mistake(learner, case: MigrationDraw, run: bool = True) -> str | None:
+    """None when the property above holds on ``case`` (its run compared with the stock run when ``run``); else what
+    the learner's trainer did."""
+    from transformers import Trainer, TrainingArguments
+
+    from hfstream import StreamTrainer, StreamTrainingArguments
+
+    from course.lib import tiny_gpt2
+
+    model = tiny_gpt2(seed=case.seed, layers=case.layers, width=case.width, positions=32)
+    stock_model = copy.deepcopy(model)
+    data = tiny_dataset(case.examples, seq=16, seed=case.seed)
+    trainer = learner.stream_trainer(model, data, tempfile.mkdtemp(prefix="hfstream-l08-"))
+    if not isinstance(trainer, StreamTrainer):
+        return f"stream_trainer returned a {type(trainer).__name__}, not a StreamTrainer"
+    if trainer.model is not model:
+        return "the trainer trains another model than the one passed in"
+    if trainer.train_dataset is not data:
+        size = len(trainer.train_dataset) if trainer.train_dataset is not None else 0
+        return (f"the trainer trains on a dataset of {size} examples, not the {case.examples} passed in: pass "
+                f"train_dataset on as it is given")
+    migrated = StreamTrainingArguments(output_dir=tempfile.mkdtemp(prefix="hfstream-l08-"), **STOCK,
+                                       prefetch_depth=2, grad_sync="overlap")
+    want, got = _stock_fields(migrated), _stock_fields(trainer.args)
+    changed = [name for name in want if got[name] != want[name]]
+    if changed:
+        name = changed[0]
+        return (f"{name} is {got[name]!r}, the stock script's is {want[name]!r}: a migration changes how the step "
+                f"runs, never what it computes")
+    if not run:
+        return None
+    stock = Trainer(model=stock_model, args=TrainingArguments(output_dir=tempfile.mkdtemp(prefix="hfstream-l08-"),
+                                                              **STOCK), train_dataset=data)
+    with one_thread(), contextlib.redirect_stdout(io.StringIO()):
+        trainer.train()
+        stock.train()
+    diff = max(float((p - q).detach().abs().max()) for p, q in zip(model.parameters(), stock_model.parameters()))
+    if diff > 1e-6:
+        return (f"after {STOCK['max_steps']} steps the weights differ from the stock Trainer's by {diff:.3g}: in one "
+                f"process nothing is communicated, so the run must be the stock run")
+    return None
+
+
+@migrate.case("drawn models and datasets: the data given, every computing setting stock's, the stock run",
+              hint="the migration swaps two names and adds hfstream's three settings; everything else, the data "
+                   "included, stays as the stock script has it, so one process trains exactly as the stock Trainer",
+              reveal="StreamTrainer(model=model, args=StreamTrainingArguments(<the stock settings, unchanged>, "
+                     "prefetch_depth=2, grad_sync='overlap'), train_dataset=train_dataset)",
+              timeout=120, after="it builds a StreamTrainer with StreamTrainingArguments, on the model and data given")
+def _(learner):
+    """Property: on drawn tiny GPT-2s (1 or 2 layers, drawn widths) and datasets (24 to 60 examples), stream_trainer
+    trains the model and dataset given, every TrainingArguments field that decides what the run computes equals the
+    stock script's (hfstream's own changes aside), and one process's run (of the first case) ends with the stock
+    Trainer's weights."""
+    cases = draw_migrations()
+    # Every case's data and settings; the first case's run too (a run of each: a second per lesson for no new property)
+    found = falsify(cases, lambda c: None if (why := _migration_mistake(learner, c, run=c is cases[0])) is None
+                    else f"{c}: {why}")
+    if found is not None:
+        raise Wrong(str(found), reveal="StreamTrainer(model=model, args=StreamTrainingArguments(<the stock settings, "
+                                       "unchanged>, prefetch_depth=2, grad_sync='overlap'), "
+                                       "train_dataset=train_dataset)")
+    return f"{len(cases)} drawn models and datasets, the first one's run equal to the stock Trainer's"
 
 
 # --------------------------------------------------------------------------- 08.read_report
@@ -264,6 +373,10 @@ def _(learner):
             raise Wrong("you divided step by ceiling: efficiency = ideal_ms / step_ms (1.0 = at the ceiling)")
         elif math.isclose(eff, report_truth(rank0)["efficiency"], rel_tol=1e-3):
             raise Wrong("you read rank 0's row: report['mean'] is the mean over ranks, report['per_rank'][i] one rank")
+        elif math.isclose(eff, sum(r["efficiency"] for r in report["per_rank"]) / len(report["per_rank"]), rel_tol=1e-4):
+            raise Wrong(f"{name}: efficiency {eff:.3f} is the mean of the ranks' efficiencies; the efficiency is the mean "
+                        f"step's, from the mean row ({want['efficiency']:.3f}): a mean of ratios is not the ratio of "
+                        f"the means")
         else:
             raise AssertionError(f"{name}: efficiency {eff:.3f}, the report says {want['efficiency']:.3f}")
         head = float(got["headroom_ms"])
@@ -317,6 +430,111 @@ def _(learner):
                 raise Wrong("you picked the least efficient rank: efficiency compares a rank with its own "
                             "ceiling. The rank the others wait for is the one with the longest step_ms")
             raise AssertionError(f"{name}: the slowest rank is {want['slowest_rank']}, you said {got['slowest_rank']}")
+
+
+# Drawn reports (course/checks/drawn.py): 2, 3 and 4 ranks, the mean row the mean of the ranks' rows, each of the
+# three costs above the ceiling the largest in turn, a drawn rank the slowest (its peers wait for it in their exposed
+# communication, so it has the least of it), an optimizer step large enough that an 'other' which leaves it out
+# changes the answer. The property: read_report's four answers equal what the mean row and the rows say.
+@dataclass(frozen=True)
+class ReportDraw:
+    ranks: int
+    biggest: str         # which cost above the ceiling is drawn the largest
+    slowest: int
+    seed: int
+
+    def __str__(self) -> str:
+        return (f"a drawn report of {self.ranks} ranks whose largest cost above the ceiling is {self.biggest}, rank "
+                f"{self.slowest} the slowest")
+
+
+def draw_reports(seed: int = 17, count: int = 6) -> list[ReportDraw]:
+    rng = random.Random(seed)
+    out = []
+    for k in range(count):
+        n = (3, 4, 2)[k % 3]
+        out.append(ReportDraw(n, CHOICES[k % 3], rng.randrange(n), rng.randrange(1000)))
+    return out
+
+
+def drawn_report(case: ReportDraw) -> dict:
+    """The report of ``case``: per-rank rows, and their mean as the mean row."""
+    rng = random.Random(case.seed)
+    big = {c: 6.0 + 2 * rng.random() if c == case.biggest else 1.0 + rng.random() for c in CHOICES}
+    compute = [3.0 + rng.random() for _ in range(case.ranks)]
+    compute[case.slowest] = max(compute) + 1.5          # the slowest rank computes longest ...
+    rows = []
+    for r in range(case.ranks):
+        fwd, opt = 0.3 * compute[r], 0.9 * big[case.biggest]      # an optimizer close to the largest cost
+        bwd = compute[r] - fwd
+        exposed = big["exposed_comm_ms"] + 0.6 * (compute[case.slowest] - compute[r])   # ... and the others wait
+        row = {"data_wait_ms": big["data_wait_ms"] * (0.98 + 0.04 * rng.random()), "forward_ms": fwd, "backward_ms": bwd,
+               "comm_busy_ms": exposed + 0.5 * bwd, "exposed_comm_ms": exposed, "optimizer_ms": opt, "steps": 7.0}
+        row["step_ms"] = sum(row[k] for k in PARTS) + big["other"] * (0.98 + 0.04 * rng.random())
+        row["ideal_ms"] = fwd + max(bwd, row["comm_busy_ms"]) + opt
+        row["efficiency"] = row["ideal_ms"] / row["step_ms"]
+        rows.append(row)
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    mean["efficiency"] = mean["ideal_ms"] / mean["step_ms"]
+    return {"mean": mean, "per_rank": rows, "grad_sync": "overlap", "prefetch_depth": 2}
+
+
+def _report_mistake(learner, case: ReportDraw) -> str | None:
+    """None when read_report's answers on the drawn report equal the truth; else what the learner's answer is."""
+    report = drawn_report(case)
+    got, want = _answers(learner, report), report_truth(report)
+    m, rows = report["mean"], report["per_rank"]
+    eff = float(got["efficiency"])
+    if not math.isclose(eff, want["efficiency"], rel_tol=1e-6):
+        if math.isclose(eff, sum(r["efficiency"] for r in rows) / len(rows), rel_tol=1e-6):
+            return (f"efficiency {eff:.4f} is the mean of the ranks' efficiencies; the mean step's is "
+                    f"ideal_ms / step_ms of the mean row, {want['efficiency']:.4f} (a mean of ratios is not the ratio "
+                    f"of the means)")
+        return f"efficiency {eff:.4f}; the mean row gives {want['efficiency']:.4f}"
+    if not math.isclose(float(got["headroom_ms"]), want["headroom_ms"], rel_tol=1e-6):
+        return f"headroom {float(got['headroom_ms']):.3f} ms; the mean row gives {want['headroom_ms']:.3f} ms"
+    if got["biggest"] != want["biggest"]:
+        for left_out in PARTS:
+            other = m["step_ms"] - sum(m[k] for k in PARTS if k != left_out)
+            costs = {"data_wait_ms": m["data_wait_ms"], "exposed_comm_ms": m["exposed_comm_ms"], "other": other}
+            if left_out not in CHOICES and max(costs, key=costs.get) == got["biggest"]:
+                return (f"biggest is {got['biggest']!r}, the report's is {want['biggest']!r}: your 'other' left "
+                        f"{left_out} ({m[left_out]:.2f} ms) out of the measured parts, so it counted measured work "
+                        f"as untracked time")
+        return f"biggest is {got['biggest']!r}; the mean row's largest cost above the ceiling is {want['biggest']!r}"
+    slow = int(got["slowest_rank"])
+    if slow != want["slowest_rank"]:
+        if slow == max(range(len(rows)), key=lambda i: rows[i]["exposed_comm_ms"]):
+            return (f"slowest_rank is {slow}, the rank with the most exposed communication: that is a rank that waits "
+                    f"in every all-reduce for the slowest one, rank {want['slowest_rank']} (the longest step_ms)")
+        return f"slowest_rank is {slow}; the longest step_ms is rank {want['slowest_rank']}'s"
+    return None
+
+
+def _smaller_report(case: ReportDraw):
+    for n in (2, 3):
+        if n < case.ranks:
+            yield replace(case, ranks=n, slowest=min(case.slowest, n - 1))
+
+
+@read.case("drawn reports: 2, 3 and 4 ranks, each cost the largest in turn, a drawn rank the slowest",
+           hint="every answer comes from the report: efficiency and headroom from the mean row, the biggest cost "
+                "from the mean row's parts, the slowest rank from the rows' step times",
+           reveal="m = report['mean']; other = m['step_ms'] - sum of the five parts; biggest = the largest of "
+                  "data_wait_ms, exposed_comm_ms, other; slowest_rank = the index of the largest per_rank step_ms",
+           after="efficiency and headroom come from the mean over ranks")
+def _(learner):
+    """Property: on drawn reports (2, 3 and 4 ranks whose rows average to the mean row, each of data wait, exposed
+    communication and the untracked rest the largest in turn, a drawn rank the slowest), read_report's efficiency,
+    headroom, biggest and slowest_rank are what the report says."""
+    cases = draw_reports()
+    found = falsify(cases, lambda c: None if (why := _report_mistake(learner, c)) is None else f"{c}: {why}",
+                    smaller=_smaller_report, kind=after_colon)
+    if found is not None:
+        raise Wrong(str(found), reveal="m = report['mean']; other = m['step_ms'] - (data_wait + forward + backward + "
+                                       "exposed_comm + optimizer); slowest_rank = the index of the largest "
+                                       "per_rank step_ms")
+    return f"{len(cases)} drawn reports"
 
 
 # --------------------------------------------------------------------------- 08.check_advice

@@ -85,8 +85,11 @@ assert all(getattr(_stock.args, k) == getattr(TrainingArguments(output_dir="x", 
 # - its own overlapped sync (`grad_sync="overlap"`);
 # - buckets of 1 MiB, like the stock script's DDP buckets (think about which field carries that).
 #
-# The check builds your trainer on a tiny GPT-2 and trains it here, in one process; the launch
-# after it runs the same function on two processes.
+# The check builds your trainer on a tiny GPT-2 and trains it here, in one process; then, on
+# tiny GPT-2s and datasets of drawn sizes, it compares every setting that decides what the run
+# computes with the stock script's, and the weights after the run with the stock Trainer's (in one
+# process nothing is communicated, so they must be equal). The launch after it runs the same
+# function on two processes.
 
 # %%
 def stream_trainer(model, train_dataset, output_dir):
@@ -278,7 +281,8 @@ print(json.dumps({k: report[k] for k in ("grad_sync", "prefetch_depth")}), "| me
 #   all-reduce waits for it, so it sets everyone's pace.
 #
 # The check reads reports recorded from this lesson's launches, variants where another part
-# dominates, and the report your own launch produced.
+# dominates, and the report your own launch produced; then drawn reports of 2, 3 and 4 ranks in
+# which each cost is the largest in turn and a drawn rank is the slowest.
 
 # %%
 def read_report(report):
