@@ -5,6 +5,11 @@ Every multi-process check compares the learner's data parallelism (2 gloo ranks,
 the batch) with single-process training on the whole batch, step by step: that is what "correct"
 means for data parallelism (CS336's test). A rank that waits for a collective its peer never
 issues fails after a short process-group timeout instead of hanging.
+
+Each exercise also states its property on drawn cases (course/checks/drawn.py) with ranks as threads of this
+process: 2, 3 and 4 ranks, float32 and float64, drawn shapes, accumulation lengths, which ranks skip the branch,
+frozen and untied weights, max_norm below and above the norm. Every rank's result is read and the rank that breaks
+the property is named; the first failing case is shrunk and shown in the hint, never the answer.
 """
 
 from __future__ import annotations
