@@ -25,9 +25,13 @@ shared memory (torchtitan's choice), on a machine with free cores, is not measur
 The host copies go into `SnapshotBuffers`, reused by the next save: a fresh copy pays a page fault
 per page it first writes (this host, 2026-12-06: 0.59 GB cloned in 0.24 s, copied into buffers
 already written once in 0.04 s), and pinned memory is slower still to allocate. On an accelerator
-the buffers are pinned and the copies queued on the current stream (so the optimizer's next step
-cannot change a tensor before it is copied), and the writer waits on an event recorded after them;
-this path has not run on a GPU yet. While a save is in flight every step boundary costs one small all-reduce
+the buffers are pinned and the copies run on a side stream of their own, each after what the
+training stream queued before it (so it copies the values of the save's step), so the next
+forward and backward need not wait for them; the trainer makes the training stream wait for the
+copies' event (the device waits, not the host) before anything can change what they read: the
+next optimizer step, and the next forward where the model has buffers (BatchNorm's running
+statistics change in the forward). The writer waits on the same event before it reads the bytes.
+This path has not run on a GPU yet (`make gpu-check` runs it where one is lent). While a save is in flight every step boundary costs one small all-reduce
 (the ranks' "written" flags), a host read on an accelerator.
 
 Sources: torch.distributed.checkpoint.async_save (snapshot to host, then write in the
@@ -43,6 +47,8 @@ import time
 from typing import Any, Callable, NamedTuple
 
 import torch
+
+from .. import streams
 
 STAGING_DIR = ".hfstream-saving"   # under the run's output_dir: no ``checkpoint-N`` name until complete
 
@@ -91,10 +97,12 @@ class SnapshotBuffers:
 
     Args:
         pin: allocate pinned memory (the copies from an accelerator then do not make the host wait).
+        stream: on an accelerator, the side stream the copies run on (None: the current stream).
     """
 
-    def __init__(self, pin: bool = False):
+    def __init__(self, pin: bool = False, stream=None):
         self.pin = pin
+        self.stream = stream
         self.taken: list[torch.Tensor] = []              # the buffers of the snapshot being taken
         self._free: dict[int, list[torch.Tensor]] = {}   # bytes -> buffers written by a finished save
 
@@ -151,9 +159,17 @@ def _host_tensor(t: torch.Tensor, memo: dict, buffers: SnapshotBuffers) -> torch
     if host is None:
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         host = buffers.take(whole.numel())
-        # From an accelerator into pinned memory, without making the host wait; the writer waits on
-        # the stream's event (`AsyncSave._run`) before it reads the bytes.
-        host.copy_(whole, non_blocking=buffers.pin)
+        if buffers.stream is None or t.device.type == "cpu":   # a host tensor (an RNG state): copied now
+            host.copy_(whole)
+        else:
+            # On the side stream, after what the training stream queued before (the save's own copies
+            # included), into pinned memory without making the host wait; the writer waits on the
+            # side stream's event (`AsyncSave._run`). A temporary of the save (a gathered optimizer
+            # piece) is kept for that stream: freed now, its memory is not reused before the copy ran.
+            buffers.stream.wait_stream(streams.current_stream(t.device))
+            with streams.use_stream(buffers.stream):
+                host.copy_(whole, non_blocking=True)
+            streams.record_stream(whole, buffers.stream)
         memo[key] = host
     out = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.size(), t.stride())
     if isinstance(t, torch.nn.Parameter):

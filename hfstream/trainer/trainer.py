@@ -123,6 +123,8 @@ class StreamTrainerMixin:
         self._save_in_flight = None
         self._staging_run_dir: str | None = None
         self._snapshot_buffers = None
+        self._snapshot_copied = None   # on an accelerator: the event after the last snapshot's copies, until waited
+        self._snapshot_reads_buffers = False   # and whether the model has buffers its forward may change
         self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
                            "write_s": 0.0, "drain_s": 0.0}
         self._save_exposed_logged = 0.0   # exposed_s already in a log line
@@ -379,7 +381,11 @@ class StreamTrainerMixin:
         try:
             step = self.state.global_step + 1
             self._watch(f"inside step {step} (forward, backward and the gradient reduction)")
+            if self._snapshot_reads_buffers:   # save_async: the forward may change a buffer being copied
+                self._wait_for_snapshot_copies()
             loss = self._synchronised(run, model, inputs, *args, **kwargs)
+            if self.accelerator.sync_gradients:   # save_async: the optimizer step changes what was copied
+                self._wait_for_snapshot_copies()
             self._watch(f"inside step {step} (gradient clipping and the optimizer step)")
             return loss
         finally:
@@ -551,7 +557,10 @@ class StreamTrainerMixin:
         t0 = time.perf_counter()
         on_device = self.args.device.type != "cpu"
         if self._snapshot_buffers is None:
-            self._snapshot_buffers = SnapshotBuffers(pin=on_device)
+            from .. import streams
+
+            self._snapshot_buffers = SnapshotBuffers(pin=on_device,
+                                                     stream=streams.new_stream(self.args.device) if on_device else None)
         self._make_room_for_snapshot(staging)
         self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
         try:
@@ -567,9 +576,13 @@ class StreamTrainerMixin:
 
                 self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
         event = None
-        if on_device:   # the host copies were queued on the current stream, in order with training's kernels
-            event = torch.Event(device=self.args.device)
-            event.record()
+        if on_device:   # the host copies were queued on the side stream, each after the training stream's work
+            from .. import streams
+
+            event = streams.new_event(self.args.device)
+            event.record(self._snapshot_buffers.stream)
+            self._snapshot_copied = event
+            self._snapshot_reads_buffers = any(True for _ in model.buffers())
         # Rotation waits for the rename, over the real run dir (the stock save named the staging one).
         rotations = [dict(kw, output_dir=run_dir, best_model_checkpoint=self.state.best_model_checkpoint)
                      for kw in deferred.rotations]
@@ -580,6 +593,15 @@ class StreamTrainerMixin:
         self.save_times["exposed_s"] += time.perf_counter() - t0
         # The Trainer calls on_save next: the callbacks run at the commit, when the files are there.
         self.callback_handler.on_save = self._on_save_at_commit
+
+    def _wait_for_snapshot_copies(self) -> None:
+        """The training stream waits (the device, not the host) for the last snapshot's copies: next it may
+        change what they read."""
+        if self._snapshot_copied is not None:
+            from .. import streams
+
+            streams.wait_event(self._snapshot_copied, streams.current_stream(self.args.device))
+            self._snapshot_copied = None
 
     def _make_room_for_snapshot(self, staging: str) -> None:
         """A crashed run's leftover staging folder goes; a snapshot beyond the host's memory is refused.

@@ -1,0 +1,77 @@
+"""save_async on a real accelerator: pinned host buffers, the copies on a side stream, and the
+training stream waiting for them (the device, not the host) before the optimizer step changes what
+they read; the checkpoint byte for byte the blocking save's. Skipped without CUDA; run on a GPU
+machine (part 1 of ``make gpu-check``) with:
+
+    pytest -m gpu tests/test_save_async_gpu.py
+
+The side stream is held up on purpose (``torch.cuda._sleep`` queued on it before the snapshot's
+copies, about 50 ms): without the wait the next optimizer step changes every element of the
+weight before it is copied, and the checkpoint holds the next step's values.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+from hfstream import StreamTrainer, StreamTrainingArguments
+from hfstream.trainer import save_async
+
+pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="uses torch.cuda test APIs")
+
+CYCLES_PER_MS = 2_000_000   # torch.cuda._sleep spins clock cycles; H100/H200 run near 2 GHz
+
+
+class Big(nn.Module):
+    """One 128 MiB weight that every step changes everywhere (the loss reaches every element)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1.0, 1.0, 1 << 25))
+
+    def forward(self, x, **kwargs):
+        return {"loss": (self.w * x.float().mean()).sum()}
+
+
+def _run(out, save_async_on: bool) -> StreamTrainer:
+    data = [{"x": torch.full((4,), float(i + 1))} for i in range(64)]
+    args = StreamTrainingArguments(output_dir=str(out), max_steps=6, save_strategy="steps", save_steps=2,
+                                   per_device_train_batch_size=2, learning_rate=1e-2, report_to=[], seed=0,
+                                   save_async=save_async_on, prefetch_depth=0, logging_steps=100,
+                                   disable_tqdm=True, lr_scheduler_type="constant")
+    trainer = StreamTrainer(model=Big(), args=args, train_dataset=data)
+    trainer.train()
+    return trainer
+
+
+@needs_cuda
+def test_the_snapshot_copies_on_a_side_stream_into_pinned_buffers_and_equals_the_blocking_save(tmp_path, monkeypatch):
+    take = save_async.SnapshotBuffers.take
+    held = []
+
+    def slow_first_copy(self, nbytes):   # the side stream held up before the snapshot's first copy
+        if not self.taken and self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(50 * CYCLES_PER_MS)
+            held.append(self.stream)
+        return take(self, nbytes)
+
+    monkeypatch.setattr(save_async.SnapshotBuffers, "take", slow_first_copy)
+    trainer = _run(tmp_path / "async", True)
+    monkeypatch.setattr(save_async.SnapshotBuffers, "take", take)
+    _run(tmp_path / "blocking", False)
+    assert len(held) == 3 and all(s != torch.cuda.current_stream() for s in held)
+    assert trainer._snapshot_buffers.held_bytes > 0
+    assert all(b.is_pinned() for free in trainer._snapshot_buffers._free.values() for b in free)
+    for step in (2, 4, 6):
+        a, b = tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}"
+        names = [n for n in sorted(os.listdir(b)) if n not in ("training_args.bin", "stream_report.json")]
+        assert names == [n for n in sorted(os.listdir(a)) if n not in ("training_args.bin", "stream_report.json")]
+        same, differ, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+        assert (differ, errors) == ([], []), (step, differ)
