@@ -262,15 +262,33 @@ def test_the_reporters_get_the_exposed_save_time_and_the_state_stays_stock(tmp_p
         assert not any("stream/save_exposed_ms" in h for h in trainer.state.log_history)
 
 
-def test_a_snapshot_beyond_the_host_memory_is_refused_at_the_first_save_with_the_bytes(tmp_path, monkeypatch):
+def test_a_model_beyond_the_host_memory_is_refused_before_the_first_step_with_the_bytes(tmp_path, monkeypatch):
     import hfstream.trainer.save_async as checkpoint_async
 
     monkeypatch.setattr(checkpoint_async, "available_host_bytes", lambda: 1000)
     trainer = _trainer(tmp_path, max_steps=4, save_async=True)
-    with pytest.raises(ValueError, match=r"save_async=True: the snapshot of checkpoint-2 needs \d+ bytes .*1000 "
-                                         r"available.*save_async=False"):
+    with pytest.raises(ValueError, match=r"save_async=True: a snapshot of the model's state alone needs \d+ bytes "
+                                         r".*1000 available.*save_async=False"):
         trainer.train()
-    assert trainer.state.global_step == 2 and get_last_checkpoint(str(tmp_path)) is None
+    assert trainer.state.global_step == 0
+
+
+def test_a_snapshot_beyond_the_host_memory_is_saved_blocking_said_once_and_the_run_finishes(tmp_path, monkeypatch):
+    import hfstream.trainer.save_async as checkpoint_async
+    from hfstream.trainer.save_async import snapshot_bytes
+
+    model_bytes = snapshot_bytes(tiny_causal_lm("gpt2", seed=0), None)
+    # The model fits (train() starts), the model and AdamW's moments do not: every save is blocking.
+    monkeypatch.setattr(checkpoint_async, "available_host_bytes", lambda: model_bytes + 10)
+    trainer = _trainer(tmp_path / "short", max_steps=4, save_async=True)
+    trainer.train()
+    blocking = _trainer(tmp_path / "blocking", max_steps=4)
+    blocking.train()
+    for step in (2, 4):
+        _same_files(tmp_path / "short" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}")
+    said = [n for n in trainer.stream_report()["notes"] if "saved in the training loop instead" in n]
+    assert len(said) == 1 and "a checkpoint's snapshot needs" in said[0], trainer.stream_report()["notes"]
+    assert trainer._save_in_flight is None and trainer.save_times["snapshot_s"] == 0.0
 
 
 def test_a_crashed_runs_leftover_staging_folder_is_not_mixed_into_the_new_checkpoint(tmp_path):

@@ -153,6 +153,7 @@ class StreamTrainerMixin:
             if path is not None and os.path.isdir(path):   # a missing one gets the Trainer's own message
                 check_checkpoint(path)
         self._watch("starting train() (preparing the model, the first collectives)")
+        self._check_snapshot_memory_at_start()
         self._train_began = time.perf_counter()   # the run's time, for the saves' share of it (the report)
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -540,11 +541,7 @@ class StreamTrainerMixin:
     #                         model is loaded and the end-of-training rotation)
     def _save_checkpoint(self, model, trial) -> None:
         if not self.args.save_async:
-            t0 = time.perf_counter()
-            super()._save_checkpoint(model, trial)
-            self.save_times["saves"] += 1
-            self.save_times["exposed_s"] += time.perf_counter() - t0
-            return
+            return self._save_blocking(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         from .save_async import STAGING_DIR, AsyncSave, DeferredWrites, SnapshotBuffers
@@ -561,7 +558,8 @@ class StreamTrainerMixin:
 
             self._snapshot_buffers = SnapshotBuffers(pin=on_device,
                                                      stream=streams.new_stream(self.args.device) if on_device else None)
-        self._make_room_for_snapshot(staging)
+        if not self._make_room_for_snapshot(staging):
+            return self._save_blocking(model, trial)
         self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
         try:
             with DeferredWrites(self._snapshot_buffers) as deferred:
@@ -603,20 +601,17 @@ class StreamTrainerMixin:
             streams.wait_event(self._snapshot_copied, streams.current_stream(self.args.device))
             self._snapshot_copied = None
 
-    def _make_room_for_snapshot(self, staging: str) -> None:
-        """A crashed run's leftover staging folder goes; a snapshot beyond the host's memory is refused.
+    def _save_blocking(self, model, trial) -> None:
+        t0 = time.perf_counter()
+        super()._save_checkpoint(model, trial)
+        self.save_times["saves"] += 1
+        self.save_times["exposed_s"] += time.perf_counter() - t0
 
-        Agreed by every rank (one small all-reduce), which also orders the saving rank's clean-up
-        before any rank's writer starts.
-        """
-        from .save_async import available_host_bytes, snapshot_bytes
+    def _snapshot_short(self, needed: int, what: str) -> str | None:
+        """None where ``needed`` bytes of host memory are available on every rank (one small all-reduce),
+        else a sentence saying so, for ``what``, with the bytes where this rank is short."""
+        from .save_async import available_host_bytes
 
-        if self.args.should_save and os.path.isdir(staging):
-            import shutil
-
-            shutil.rmtree(staging)
-        scale = self.grad_sync.world_size if self._zero1_optimizer else 1
-        needed = snapshot_bytes(self.model, self.optimizer, scale) - self._snapshot_buffers.held_bytes
         available = available_host_bytes()
         short = available is not None and needed > available
         short_anywhere = short
@@ -626,11 +621,45 @@ class StreamTrainerMixin:
             from ..gradsync.agreement import any_rank
 
             (short_anywhere,) = any_rank([short], dist.group.WORLD, self.args.device)
-        if short_anywhere:
-            where = (f"needs {needed} bytes ({needed / 2**30:.2f} GiB) of host memory, {available} available here"
-                     if short else "does not fit another rank's host memory (its error gives the bytes)")
-            raise ValueError(f"save_async=True: the snapshot of checkpoint-{self.state.global_step} {where}. Set "
-                             f"save_async=False (the blocking save needs no copy), or free host memory")
+        if not short_anywhere:
+            return None
+        return (f"save_async=True: {what} needs {needed} bytes ({needed / 2**30:.2f} GiB) of host memory, {available} "
+                f"available here" if short else
+                f"save_async=True: {what} does not fit another rank's host memory (its message gives the bytes)")
+
+    def _check_snapshot_memory_at_start(self) -> None:
+        """save_async: refused before training where not even the model's state fits in host memory."""
+        if not self.args.save_async or self.args.save_strategy == "no":
+            return
+        from .save_async import snapshot_bytes
+
+        short = self._snapshot_short(snapshot_bytes(self.model, None), "a snapshot of the model's state alone")
+        if short:
+            raise ValueError(f"{short}, before the optimizer's state. Set save_async=False (the blocking save needs "
+                             f"no copy), or free host memory")
+
+    def _make_room_for_snapshot(self, staging: str) -> bool:
+        """A crashed run's leftover staging folder goes; whether the snapshot fits the host's memory.
+
+        Agreed by every rank (one small all-reduce), which also orders the saving rank's clean-up
+        before any rank's writer starts. A snapshot that does not fit is not taken: the save is the
+        stock Trainer's blocking one, said once (the run goes on as stock's would).
+        """
+        from .save_async import snapshot_bytes
+
+        if self.args.should_save and os.path.isdir(staging):
+            import shutil
+
+            shutil.rmtree(staging)
+        scale = self.grad_sync.world_size if self._zero1_optimizer else 1
+        needed = snapshot_bytes(self.model, self.optimizer, scale) - self._snapshot_buffers.held_bytes
+        short = self._snapshot_short(needed, "a checkpoint's snapshot")
+        if short is None:
+            return True
+        self._note(f"hfstream: {short}: saved in the training loop instead, as the stock Trainer saves "
+                   f"(this and any later save that does not fit). Free host memory for saves behind training, or "
+                   f"set save_async=False")
+        return False
 
     def _on_save_at_commit(self, args, state, control, **kwargs):
         del self.callback_handler.on_save   # one save's call only: the handler's own method again
