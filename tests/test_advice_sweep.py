@@ -120,5 +120,7 @@ def test_the_probes_of_a_serial_run_try_overlap_with_and_without_a_cap():
     serial = RunSpec("x", 2, True, "none", 0.0, 500, float("inf"), "serial", 1, 0)
     assert probes(serial) == [{"grad_sync": "overlap"}, {"grad_sync": "overlap", "grad_bucket_mb": 1.0},
                               {"grad_bucket_mb": 1.0}, {"prefetch_depth": 2}]
+    at_one = RunSpec("z", 2, True, "none", 0.0, 500, 1.0, "serial", 1, 0)
+    assert probes(at_one) == [{"grad_sync": "overlap"}, {"grad_bucket_mb": 4.0}, {"prefetch_depth": 2}]
     sharded = RunSpec("y", 2, True, "none", 0.0, 500, 1.0, "sharded", 1, 2)
     assert probes(sharded) == [{"grad_sync": "overlap"}, {"grad_bucket_mb": 4.0}, {"prefetch_depth": 0}]

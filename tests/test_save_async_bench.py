@@ -2,8 +2,9 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python -m pytest -m slow tests/test_save_async_bench.py -s
 
-A GPT-2 from config (HFSTREAM_SAVE_BENCH_EMBD/LAYERS set its size), AdamW, a save every 4 of 22
-steps (5 saves, two steps after the last); one process, and 2 gloo ranks under grad_sync="overlap".
+A GPT-2 from config (HFSTREAM_SAVE_BENCH_EMBD/LAYERS set its size), AdamW, a save every 4 steps
+(HFSTREAM_SAVE_BENCH_EVERY), 5 of them and two steps after the last (the Trainer saves at its last
+step too); one process, and 2 gloo ranks under grad_sync="overlap".
 Prints, per rank 0: the training thread's time in each save (the first one allocates the snapshot's
 host buffers, the later ones reuse them), the wait for the last write at the end of train() apart,
 and the mean step time with and without a write behind.
@@ -23,7 +24,8 @@ from tiny import lm_dataset, train_args
 
 pytestmark = pytest.mark.slow
 
-STEPS, EVERY = 22, 4
+EVERY = int(os.environ.get("HFSTREAM_SAVE_BENCH_EVERY", 4))   # steps between saves
+STEPS = 5 * EVERY + 2                                           # 5 saves in the loop, two steps after the last
 
 
 class StepTimes(TrainerCallback):

@@ -254,7 +254,9 @@ def probes(spec: RunSpec) -> list[dict]:
     its cap together where serial's one bucket would leave overlap nothing to hide)."""
     out = []
     if spec.grad_sync == "serial":
-        out += [{"grad_sync": "overlap"}, {"grad_sync": "overlap", "grad_bucket_mb": 1.0}]
+        out.append({"grad_sync": "overlap"})
+        if spec.bucket_mb != 1.0:   # the same change twice would be a second measurement of one change
+            out.append({"grad_sync": "overlap", "grad_bucket_mb": 1.0})
     else:
         out.append({"grad_sync": "sharded" if spec.grad_sync == "overlap" else "overlap"})
     out.append({"grad_bucket_mb": 1.0 if spec.bucket_mb != 1.0 else 4.0})
