@@ -231,7 +231,8 @@ def run_one(spec: RunSpec, steps: int, tmp: str, in_process: bool = False, probe
                    link_bound=(before["mean"].get("comm_busy_ms") or 0.0) > (before["mean"].get("backward_ms") or 0.0))
         if advice:
             first = advice[0]
-            applied = {**kw, first["setting"]: first["value"], **first.get("also", {})}   # the change advised, nothing else
+            change = {first["setting"]: first["value"], **first.get("also", {})}   # the change advised, nothing else
+            applied = {**kw, **change}
             after = _run(spec, applied, steps, tmp, namespace, in_process)
             per_sample = "predicted_ms_per_sample" in first
             if per_sample:   # a change of the effective batch: per sample, in the unit it is predicted in
@@ -239,7 +240,7 @@ def run_one(spec: RunSpec, steps: int, tmp: str, in_process: bool = False, probe
                 predicted = first.get("predicted_ms_per_sample") or was * (1 - first["saving"])
             else:
                 predicted, measured, was = first["predicted_step_ms"], after["mean"]["step_ms"], before["mean"]["step_ms"]
-            row.update(applied={first["setting"]: first["value"], **first.get("also", {})}, unit="ms/sample" if per_sample else "ms/step",
+            row.update(applied=change, unit="ms/sample" if per_sample else "ms/step",
                        after_report={k: after.get(k) for k in ("prefetch_depth", "grad_sync")},
                        predicted=predicted, measured=measured, was=was, saved=1 - measured / was,
                        error=(predicted - measured) / measured)
@@ -264,7 +265,8 @@ def probes(spec: RunSpec) -> list[dict]:
     return out
 
 
-def probe_gain(spec: RunSpec, kw: dict, before_ms: float, steps: int, tmp: str, namespace, in_process: bool) -> list[dict]:
+def probe_gain(spec: RunSpec, kw: dict, before_ms: float, steps: int, tmp: str, namespace,
+               in_process: bool) -> list[dict]:
     """Each of `probes` measured: ``{"change", "step_ms", "saved"}``."""
     out = []
     for change in probes(spec):

@@ -82,9 +82,9 @@ def gradient_group(args):
     gather. So on gloo too (its work queue is a FIFO as well, ``ProcessGroupGloo.hpp``'s
     ``workQueue_``): a 2-rank sharded run on a 200 Mbit/s link waited 47 ms a step for that gather
     on the default group, 31 ms on its own (the rest is the link itself, still busy with the
-    gathers), and stepped in 114 ms instead of 130. Under "overlap"/"serial" with normal priority the default group is kept: every
-    gradient collective has finished at ``finish()``, before the step, so nothing of the
-    Trainer's queues behind one. A mixed backend ("cpu:gloo,cuda:nccl") counts as NCCL: its CUDA
+    gathers), and stepped in 114 ms instead of 130. Under "overlap"/"serial" with normal priority
+    the default group is kept: every gradient collective has finished at ``finish()``, before the
+    step, so nothing of the Trainer's queues behind one. A mixed backend ("cpu:gloo,cuda:nccl") counts as NCCL: its CUDA
     collectives are. The Trainer creates the group once and reuses it for every ``train()`` (a
     communicator per call would pile up over a hyperparameter search).
     """

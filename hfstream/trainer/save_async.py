@@ -31,8 +31,9 @@ forward and backward need not wait for them; the trainer makes the training stre
 copies' event (the device waits, not the host) before anything can change what they read: the
 next optimizer step, and the next forward where the model has buffers (BatchNorm's running
 statistics change in the forward). The writer waits on the same event before it reads the bytes.
-This path has not run on a GPU yet (`make gpu-check` runs it where one is lent). While a save is in flight every step boundary costs one small all-reduce
-(the ranks' "written" flags), a host read on an accelerator.
+This path has not run on a GPU yet (`make gpu-check` runs it where one is lent). While a save is
+in flight every step boundary costs one small all-reduce (the ranks' "written" flags), a host
+read on an accelerator.
 
 Sources: torch.distributed.checkpoint.async_save (snapshot to host, then write in the
 background), Lightning's ``AsyncCheckpointIO``.

@@ -116,10 +116,10 @@ class StreamTrainerMixin:
         CallbackGuard(self.callback_handler, lambda: self.grad_sync if self._zero1_optimizer else None,
                       self._note).install()
         # save_async (the checkpoint section below): the save in flight, the staging run dir while the
-        # stock save runs into it, the host buffers snapshots reuse, and the seconds the saves cost: ``exposed_s`` is what the training
-        # thread spent on them (the whole save when blocking; snapshot, waits and renames when async),
-        # ``write_s`` what the writer spent behind training, ``drain_s`` the wait for the last write at the end
-        # of train() (no step left to hide it behind).
+        # stock save runs into it, the host buffers snapshots reuse, and the seconds the saves cost:
+        # ``exposed_s`` is what the training thread spent on them (the whole save when blocking; snapshot,
+        # waits and renames when async), ``write_s`` what the writer spent behind training, ``drain_s`` the
+        # wait for the last write at the end of train() (no step left to hide it behind).
         self._save_in_flight = None
         self._staging_run_dir: str | None = None
         self._snapshot_buffers = None
