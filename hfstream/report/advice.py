@@ -870,9 +870,9 @@ def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
         return max((c for c in scored if c[1] <= low * 1.02), key=lambda c: c[0])
 
     waited = exposed >= MIN_SAVING * parts.step   # the premise of every change on the link
-    cpu = (f"; backward taken to lose {_slowdown(facts):.2f} ms per ms of communication in flight in it (the "
-           f"collectives' threads used that much CPU per ms, and no core is spare)"
-           if facts.comm_slowdown is None and _slowdown(facts) is not None else "")
+    assumed = _slowdown(facts) if facts.comm_slowdown is None else None   # from the collectives' CPU
+    cpu = (f"; backward taken to lose {assumed:.2f} ms per ms of communication in flight in it (the collectives' "
+           f"threads used that much CPU per ms, and no core is spare)" if assumed is not None else "")
     waited_said = (f"the step waited for communication after backward: {_say(exposed)} of {_say(parts.step)} "
                    f"(exposed comm, measured; {_say(parts.busy)} busy)")
     if not waited:
@@ -881,11 +881,10 @@ def _comm_advice(parts: _Parts, facts: RunFacts, why: list[str]) -> list[dict]:
     # Serial -> overlap: the same all-reduces, launched as backward produces their buckets; with the
     # cap too where the run's own cap leaves too few buckets for backward to hide (one: none of it).
     if mode == "serial" and waited:
-        model_ms = _comm_step("overlap", current, link, parts, facts, parts.optimizer)
-        cap = facts.bucket_mb
-        if not facts.auto_bucket:
-            cap, capped_ms = best_cap("overlap", parts.optimizer, (facts.bucket_mb, *BUCKET_CANDIDATES_MB))
-            model_ms = min(model_ms, capped_ms) if cap != facts.bucket_mb else model_ms
+        if facts.auto_bucket:   # the tuner chooses the cap
+            cap, model_ms = facts.bucket_mb, _comm_step("overlap", current, link, parts, facts, parts.optimizer)
+        else:
+            cap, model_ms = best_cap("overlap", parts.optimizer, (facts.bucket_mb, *BUCKET_CANDIDATES_MB))
         also = {"grad_bucket_mb": cap} if cap != facts.bucket_mb else {}
         at = (f" at {cap:g} MiB buckets (now {_count(len(current), 'bucket')} of at most {facts.bucket_mb:g} MiB, "
               f"{'none of which backward can hide' if len(current) == 1 else 'fewer than backward can hide'})"

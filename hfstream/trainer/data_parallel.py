@@ -84,8 +84,8 @@ def gradient_group(args):
     on the default group, 31 ms on its own (the rest is the link itself, still busy with the
     gathers), and stepped in 114 ms instead of 130. Under "overlap"/"serial" with normal priority
     the default group is kept: every gradient collective has finished at ``finish()``, before the
-    step, so nothing of the Trainer's queues behind one. A mixed backend ("cpu:gloo,cuda:nccl") counts as NCCL: its CUDA
-    collectives are. The Trainer creates the group once and reuses it for every ``train()`` (a
+    step, so nothing of the Trainer's queues behind one. A mixed backend ("cpu:gloo,cuda:nccl")
+    counts as NCCL: its CUDA collectives are. The Trainer creates the group once and reuses it for every ``train()`` (a
     communicator per call would pile up over a hyperparameter search).
     """
     import torch.distributed as dist

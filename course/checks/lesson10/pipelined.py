@@ -40,17 +40,22 @@ def _stepped(rank: int) -> list[torch.Tensor]:
     return [x - 0.1 * (x + i) for i, x in enumerate(_slices(rank))]
 
 
-def _pipe_rank(rank, world_size, world, fn):
-    mine = _slices(rank)
-    gathered = [torch.zeros(world_size * m.numel()) for m in mine]
+def _run_pipelined(rank: int, world, fn, mine: list[torch.Tensor], world_size: int) -> dict:
+    """One rank's ``fn(mine, gathered, step_slice)`` on its slices ``mine``, the works it returned waited for.
+
+    Returns its event ``log``, ``ptr`` (a slice's address -> its bucket), the ``gathered`` buffers, the works
+    ``returned`` and ``order`` (the bucket each one gathers), ``stepped`` (buckets in the order stepped), ``seq``
+    (its steps and gather launches, in order) and whether a gather was launched synchronously or waited for.
+    """
+    gathered = [torch.zeros(world_size * m.numel(), dtype=m.dtype) for m in mine]
     ptr = {m.data_ptr(): i for i, m in enumerate(mine)}
-    stepped: set[int] = set()
+    stepped: list[int] = []
 
     def step_slice(i):
         i = int(i)
         if i in stepped:
             raise RuntimeError(f"step_slice({i}) called twice: each bucket's slice is stepped once per step")
-        stepped.add(i)
+        stepped.append(i)
         world.note(rank, "step", bucket=i)
         with torch.no_grad():
             mine[i].sub_(0.1 * (mine[i] + i))
@@ -59,16 +64,23 @@ def _pipe_rank(rank, world_size, world, fn):
     works = fn(mine, gathered, step_slice)
     log = world.take(rank)
     returned = list(works) if isinstance(works, (list, tuple)) else None
-    if returned is not None:
-        for w in returned:
-            if w is not None and hasattr(w, "wait"):
-                w.wait()
     outputs = {g.data_ptr(): i for i, g in enumerate(gathered)}
-    buckets = None if returned is None else [
+    order = None if returned is None else [
         outputs.get(getattr(getattr(getattr(w, "_op", None), "tensor", None), "data_ptr", lambda: None)())
         for w in returned]
-    return {"log": log, "ptr": ptr, "gathered": [g.clone() for g in gathered], "returned": returned,
-            "returned_buckets": buckets, "stepped": sorted(stepped)}
+    for w in returned or []:
+        if w is not None and hasattr(w, "wait"):
+            w.wait()
+    seq = [("step", e["bucket"]) if e["event"] == "step" else ("gather", ptr.get(e.get("src_ptr")))
+           for e in log if e["event"] == "step" or (e["event"] == "launch" and e["kind"] == "all_gather")]
+    return {"log": log, "ptr": ptr, "gathered": gathered, "returned": returned, "order": order,
+            "stepped": stepped, "seq": seq,
+            "sync": any(e["event"] == "launch" and e["kind"] == "all_gather" and not e.get("async_op") for e in log),
+            "waited": any(e["event"] == "wait" and e.get("kind") == "all_gather" for e in log)}
+
+
+def _pipe_rank(rank, world_size, world, fn):
+    return _run_pipelined(rank, world, fn, _slices(rank), world_size)
 
 
 def _pipe_facts(learner) -> list[dict]:
@@ -90,7 +102,7 @@ def _(learner):
     want = [torch.cat([_stepped(r)[i] for r in range(2)]) for i in range(n)]
     before = [torch.cat([_slices(r)[i] for r in range(2)]) for i in range(n)]
     for rank, res in enumerate(results):
-        if res["stepped"] != list(range(n)):
+        if sorted(res["stepped"]) != list(range(n)):
             missing = sorted(set(range(n)) - set(res["stepped"]))
             raise Wrong(f"rank {rank} never stepped bucket(s) {missing}: the optimizer step of this rank is "
                         f"step_slice(i) for every bucket i", reveal=PIPE_REVEAL)
@@ -107,7 +119,7 @@ def _(learner):
             raise Wrong(f"pipelined_step returned {got}: return the {n} works in flight, one per bucket, so that "
                         f"the next forward can wait for each where it needs it (as ParamGather.wait_for did)",
                         reveal=PIPE_REVEAL)
-        order = res["returned_buckets"]
+        order = res["order"]
         if None not in order and order != list(range(n)):
             raise Wrong(f"rank {rank}: the works came back as the gathers of buckets {order}: the contract is one "
                         f"work per bucket in bucket order, because the next forward's pre-hook for bucket i waits "
@@ -134,7 +146,7 @@ def _(learner):
     slice is stepped, in forward order), and nothing waits on a gather."""
     res = _pipe_facts(learner)[0]
     n, ptr = len(P_SIZES), res["ptr"]
-    log = res["log"]
+    log, seq = res["log"], res["seq"]
     gathers = _gathers(res)
     order = [ptr.get(e.get("src_ptr")) for e in gathers]
     if order != list(range(n)):
@@ -145,8 +157,6 @@ def _(learner):
     if waits:
         raise Wrong("pipelined_step waited for a gather itself: the step then stands still while the bytes cross "
                     "the link; the forward's pre-hooks wait, each for its own bucket, later", reveal=PIPE_REVEAL)
-    seq = [("step", e["bucket"]) if e["event"] == "step" else ("gather", ptr.get(e.get("src_ptr")))
-           for e in log if e["event"] == "step" or (e["event"] == "launch" and e["kind"] == "all_gather")]
     first_gather = next(k for k, (what, _) in enumerate(seq) if what == "gather")
     steps_before = sum(what == "step" for what, _ in seq[:first_gather])
     if steps_before == n:
@@ -194,36 +204,7 @@ def _drawn_slices(case: PipeDraw, rank: int) -> list[torch.Tensor]:
 
 
 def _pipe_drawn_rank(rank, case: PipeDraw, world, fn):
-    mine = _drawn_slices(case, rank)
-    gathered = [torch.zeros(case.world_size * m.numel(), dtype=case.dtype) for m in mine]
-    stepped: list[int] = []
-
-    def step_slice(i):
-        i = int(i)
-        if i in stepped:
-            raise RuntimeError(f"step_slice({i}) called twice: each bucket's slice is stepped once per step")
-        stepped.append(i)
-        world.note(rank, "step", bucket=i)
-        with torch.no_grad():
-            mine[i].sub_(0.1 * (mine[i] + i))
-
-    world.take(rank)
-    works = fn(mine, gathered, step_slice)
-    log = world.take(rank)
-    returned = list(works) if isinstance(works, (list, tuple)) else None
-    outputs = {g.data_ptr(): i for i, g in enumerate(gathered)}
-    order = None if returned is None else [
-        outputs.get(getattr(getattr(getattr(w, "_op", None), "tensor", None), "data_ptr", lambda: None)())
-        for w in returned]
-    for w in returned or []:
-        if w is not None and hasattr(w, "wait"):
-            w.wait()
-    ptr = {m.data_ptr(): i for i, m in enumerate(mine)}
-    seq = [("step", e["bucket"]) if e["event"] == "step" else ("gather", ptr.get(e.get("src_ptr")))
-           for e in log if e["event"] == "step" or (e["event"] == "launch" and e["kind"] == "all_gather")]
-    return {"seq": seq, "stepped": stepped, "order": order, "returned": returned, "gathered": gathered,
-            "sync": any(e["event"] == "launch" and e["kind"] == "all_gather" and not e.get("async_op") for e in log),
-            "waited": any(e["event"] == "wait" and e.get("kind") == "all_gather" for e in log)}
+    return _run_pipelined(rank, world, fn, _drawn_slices(case, rank), case.world_size)
 
 
 def _pipe_drawn_mistake(learner, case: PipeDraw) -> str | None:
