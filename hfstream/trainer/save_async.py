@@ -57,15 +57,31 @@ STAGING_DIR = ".hfstream-saving"   # under the run's output_dir: no ``checkpoint
 def snapshot_bytes(model: torch.nn.Module, optimizer, optimizer_scale: int = 1) -> int:
     """Host bytes a snapshot takes: the model's state and the optimizer's (``optimizer_scale`` times this
     rank's, where each rank holds 1/N of it and the checkpoint holds all of it)."""
-    seen, total = set(), 0
-    for t in model.state_dict().values():
+    moments = sum(_storage_sizes(_optimizer_tensors(optimizer)))
+    return sum(_storage_sizes(model.state_dict().values())) + optimizer_scale * moments
+
+
+def snapshot_sizes(model: torch.nn.Module, optimizer=None) -> list[int]:
+    """The bytes of each host buffer a snapshot of ``model`` and ``optimizer`` takes, one per storage.
+
+    Pass no optimizer where its checkpoint is assembled at the save (sharded: gathered from every
+    rank's slices, in storages that exist only then)."""
+    return _storage_sizes(model.state_dict().values()) + _storage_sizes(_optimizer_tensors(optimizer))
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    state = getattr(getattr(optimizer, "optimizer", optimizer), "state", {}) if optimizer is not None else {}
+    return [v for st in state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def _storage_sizes(tensors) -> list[int]:
+    seen, sizes = set(), []
+    for t in tensors:
         s = t.untyped_storage()
         if (t.device, s.data_ptr()) not in seen:
             seen.add((t.device, s.data_ptr()))
-            total += s.nbytes()
-    state = getattr(getattr(optimizer, "optimizer", optimizer), "state", {}) if optimizer is not None else {}
-    moments = sum(v.nbytes for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
-    return total + optimizer_scale * moments
+            sizes.append(s.nbytes())
+    return sizes
 
 
 def available_host_bytes() -> int | None:
@@ -105,30 +121,54 @@ class SnapshotBuffers:
         self.pin = pin
         self.stream = stream
         self.taken: list[torch.Tensor] = []              # the buffers of the snapshot being taken
+        self.new_bytes = 0                               # bytes `take` allocated (no free buffer fitted)
         self._free: dict[int, list[torch.Tensor]] = {}   # bytes -> buffers written by a finished save
+        self._preparing: threading.Thread | None = None
+
+    def prepare(self, sizes: list[int]) -> None:
+        """Allocate buffers of ``sizes`` and write every page once, on a thread of their own, so that
+        the first snapshot copies into memory the kernel has already mapped (a fresh copy pays a page
+        fault per page, on the training thread). Sizes no snapshot takes are freed by its `drop_rest`."""
+        def allocate(free=self._free):
+            for nbytes in sizes:
+                free.setdefault(nbytes, []).append(torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pin))
+
+        self._preparing = threading.Thread(target=allocate, name="hfstream-snapshot-buffers", daemon=True)
+        self._preparing.start()
+
+    def _prepared(self) -> dict[int, list[torch.Tensor]]:
+        if self._preparing is not None:
+            self._preparing.join()
+            self._preparing = None
+        return self._free
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 host buffer of ``nbytes``: a free one of that size, else a new one."""
-        free = self._free.get(nbytes)
-        buffer = free.pop() if free else torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        free = self._prepared().get(nbytes)
+        if free:
+            buffer = free.pop()
+        else:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self.new_bytes += nbytes
         self.taken.append(buffer)
         return buffer
 
     def drop_rest(self) -> list[torch.Tensor]:
         """A snapshot is complete: the free buffers it did not take are freed; returns the ones it took."""
-        self._free.clear()
+        self._prepared().clear()
         taken, self.taken = self.taken, []
         return taken
 
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         """The files of the save that took ``buffers`` are written: the next snapshot may reuse them."""
+        free = self._prepared()
         for buffer in buffers:
-            self._free.setdefault(buffer.numel(), []).append(buffer)
+            free.setdefault(buffer.numel(), []).append(buffer)
 
     @property
     def held_bytes(self) -> int:
         """Bytes held for the next snapshot."""
-        return sum(b.numel() for free in self._free.values() for b in free)
+        return sum(b.numel() for free in self._prepared().values() for b in free)
 
 
 def host_copy(obj: Any, memo: dict, buffers: SnapshotBuffers) -> Any:

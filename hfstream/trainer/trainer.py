@@ -544,7 +544,7 @@ class StreamTrainerMixin:
             return self._save_blocking(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        from .save_async import STAGING_DIR, AsyncSave, DeferredWrites, SnapshotBuffers
+        from .save_async import STAGING_DIR, AsyncSave, DeferredWrites
 
         self._settle_save(wait=True)
         self.callback_handler.__dict__.pop("on_save", None)   # a deferral left by a save no on_save followed
@@ -553,11 +553,7 @@ class StreamTrainerMixin:
         staging, final = os.path.join(run_dir, STAGING_DIR, folder), os.path.join(run_dir, folder)
         t0 = time.perf_counter()
         on_device = self.args.device.type != "cpu"
-        if self._snapshot_buffers is None:
-            from .. import streams
-
-            self._snapshot_buffers = SnapshotBuffers(pin=on_device,
-                                                     stream=streams.new_stream(self.args.device) if on_device else None)
+        self._new_snapshot_buffers()
         if not self._make_room_for_snapshot(staging):
             return self._save_blocking(model, trial)
         self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
@@ -591,6 +587,31 @@ class StreamTrainerMixin:
         self.save_times["exposed_s"] += time.perf_counter() - t0
         # The Trainer calls on_save next: the callbacks run at the commit, when the files are there.
         self.callback_handler.on_save = self._on_save_at_commit
+
+    def _new_snapshot_buffers(self) -> None:
+        """The run's `SnapshotBuffers`, once: pinned, with a copy stream, on an accelerator."""
+        if self._snapshot_buffers is None:
+            from .. import streams
+            from .save_async import SnapshotBuffers
+
+            on_device = self.args.device.type != "cpu"
+            self._snapshot_buffers = SnapshotBuffers(pin=on_device,
+                                                     stream=streams.new_stream(self.args.device) if on_device else None)
+
+    def _prepare_snapshot_buffers(self) -> None:
+        """save_async, after the first optimizer step (its state exists now): the saving rank allocates the
+        first snapshot's buffers on a thread, behind the next steps, where they fit the host's memory (the
+        save checks again, and saves blocking where they do not). Local: no collective depends on it."""
+        if (self._snapshot_buffers is not None or not self.args.save_async or self.args.save_strategy == "no"
+                or not self.args.should_save):
+            return
+        from .save_async import available_host_bytes, snapshot_sizes
+
+        self._new_snapshot_buffers()
+        sizes = snapshot_sizes(self.model, None if self._zero1_optimizer else self.optimizer)
+        available = available_host_bytes()
+        if available is None or sum(sizes) <= available:
+            self._snapshot_buffers.prepare(sizes)
 
     def _wait_for_snapshot_copies(self) -> None:
         """The training stream waits (the device, not the host) for the last snapshot's copies: next it may
@@ -748,6 +769,7 @@ class StreamTrainerMixin:
             self._timeline.end_step()
         self._watch(f"after step {self.state.global_step} (logging, evaluation or saving a checkpoint)")
         self._settle_save(wait=False)   # save_async: a checkpoint whose files every rank wrote becomes checkpoint-N
+        self._prepare_snapshot_buffers()
         if self._zero1_optimizer and (self.control.should_evaluate or self.control.should_save):
             # The step's all-gathers would otherwise wait for the next forward (sharded mode).
             self.grad_sync.wait_for_params()
