@@ -464,7 +464,102 @@ def test_every_save_copies_into_buffers_allocated_before_the_first_save(tmp_path
         _same_files(tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}")
     report = trainer._save_report()
     # One snapshot held between saves: the model's and optimizer's tensors, and the RNG states (a few KiB).
-    assert report["bytes"] <= trainer._snapshot_buffers.held_bytes <= report["bytes"] + 2**16
+    assert report["bytes"] <= report["held_bytes"] <= report["bytes"] + 2**16
     # The first save's too were allocated (and every page written) behind step 2, not by the save:
     # it allocated the RNG states' few KiB only.
-    assert trainer._snapshot_buffers.new_bytes <= 2**16 < report["bytes"]
+    assert report["new_bytes"] <= 2**16 < report["bytes"]
+    assert trainer._snapshot_buffers is None   # train() is over: the host memory is freed
+
+
+# -- the writer process -------------------------------------------------------------------------------
+def _same_as_blocking(tmp_path, steps) -> None:
+    """The checkpoints under tmp_path/async are those of a blocking run, written under tmp_path/blocking."""
+    _trainer(tmp_path / "blocking", max_steps=max(steps)).train()
+    for step in steps:
+        _same_files(tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}")
+
+
+def _pids(tmp_path) -> set[int]:
+    with open(tmp_path / "writer-pids") as f:
+        return {int(line) for line in f}
+
+
+def test_the_files_are_written_by_a_process_of_their_own_byte_for_byte(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+    import writer_faults
+
+    from hfstream.trainer import save_writer
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", writer_faults.records_pid)
+    trainer = _trainer(tmp_path / "async", max_steps=4, save_async=True)
+    trainer.train()
+    # Not this process (a thread of it would write this pid): the writer process, one for every save.
+    assert _pids(tmp_path) == {save_writer.writer().proc.pid} and os.getpid() not in _pids(tmp_path)
+    assert not any("from a thread" in n for n in trainer._notes), trainer._notes
+    monkeypatch.undo()
+    _same_as_blocking(tmp_path, steps=(2, 4))
+    assert not [n for n in os.listdir(save_writer.SHM_DIR) if n.startswith(f"hfstream-snapshot-{os.getpid()}-")]
+
+
+def test_a_write_failing_in_the_writer_process_fails_the_run_naming_the_path(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+    import writer_faults
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", writer_faults.disk_full_at_checkpoint_4)
+    trainer = _trainer(tmp_path, max_steps=6, save_async=True)
+    with pytest.raises(RuntimeError, match=r"save_async: writing '.*checkpoint-4/model\.safetensors' failed "
+                                           r"\(OSError.*No space left.*save_async=False"):
+        trainer.train()
+    assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+    assert not any("from a thread" in n for n in trainer._notes), trainer._notes
+
+
+def test_a_writer_process_killed_mid_write_fails_the_run_and_the_next_run_gets_a_new_one(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+    import writer_faults
+
+    from hfstream.trainer import save_writer
+    from hfstream.trainer.checkpoint import check_checkpoint
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", writer_faults.writer_dies_at_checkpoint_4)
+    trainer = _trainer(tmp_path / "killed", max_steps=6, save_async=True)
+    first = save_writer.writer()
+    with pytest.raises(RuntimeError, match=r"checkpoint-4.*the writer process \(pid \d+\) ended, exit code 9"):
+        trainer.train()
+    assert get_last_checkpoint(str(tmp_path / "killed")) == str(tmp_path / "killed" / "checkpoint-2")
+    check_checkpoint(tmp_path / "killed" / "checkpoint-2")   # whole
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", writer_faults.records_pid)
+    _trainer(tmp_path / "again", max_steps=2, save_async=True).train()
+    assert _pids(tmp_path) == {save_writer.writer().proc.pid} != {first.proc.pid}
+
+
+def test_a_write_function_the_writer_cannot_import_is_written_by_a_thread_said_once(tmp_path, monkeypatch):
+    import transformers.modeling_utils
+
+    real = transformers.modeling_utils.safe_save_file
+    threads = []
+
+    def wrapped(*args, **kwargs):   # a closure: pickle cannot name it for the writer process
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", wrapped)
+    trainer = _trainer(tmp_path / "async", max_steps=4, save_async=True)
+    trainer.train()
+    assert threads and all(t.startswith("hfstream-save-checkpoint-") for t in threads)
+    said = [n for n in trainer._notes if "from a thread of the training process" in n]
+    assert len(said) == 1 and "wrapped" in said[0], trainer._notes
+    monkeypatch.undo()
+    _same_as_blocking(tmp_path, steps=(2, 4))
+
+
+def test_with_no_room_in_dev_shm_a_thread_writes_said_once_with_the_bytes(tmp_path, monkeypatch):
+    from hfstream.trainer import save_writer
+
+    monkeypatch.setattr(save_writer, "shm_free_bytes", lambda: 1000)
+    trainer = _trainer(tmp_path / "async", max_steps=4, save_async=True)
+    trainer.train()
+    said = [n for n in trainer._notes if "from a thread of the training process" in n]
+    assert len(said) == 1 and "/dev/shm has 1000 bytes free" in said[0], trainer._notes
+    monkeypatch.undo()
+    _same_as_blocking(tmp_path, steps=(2, 4))

@@ -53,22 +53,24 @@ def _run(out, save_async_on: bool) -> StreamTrainer:
 @needs_cuda
 def test_the_snapshot_copies_on_a_side_stream_into_pinned_buffers_and_equals_the_blocking_save(tmp_path, monkeypatch):
     take = save_async.SnapshotBuffers.take
-    held = []
+    held, pinned = [], []
 
     def slow_first_copy(self, nbytes):   # the side stream held up before the snapshot's first copy
         if not self.taken and self.stream is not None:
             with torch.cuda.stream(self.stream):
                 torch.cuda._sleep(50 * CYCLES_PER_MS)
             held.append(self.stream)
-        return take(self, nbytes)
+        buffer = take(self, nbytes)
+        pinned.append(buffer.is_pinned())
+        return buffer
 
     monkeypatch.setattr(save_async.SnapshotBuffers, "take", slow_first_copy)
     trainer = _run(tmp_path / "async", True)
     monkeypatch.setattr(save_async.SnapshotBuffers, "take", take)
     _run(tmp_path / "blocking", False)
     assert len(held) == 3 and all(s != torch.cuda.current_stream() for s in held)
-    assert trainer._snapshot_buffers.held_bytes > 0
-    assert all(b.is_pinned() for free in trainer._snapshot_buffers._free.values() for b in free)
+    assert trainer.stream_report()["save"]["held_bytes"] > 0
+    assert pinned and all(pinned)   # in /dev/shm, registered with CUDA (or pinned by torch where /dev/shm is short)
     for step in (2, 4, 6):
         a, b = tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}"
         names = [n for n in sorted(os.listdir(b)) if n not in ("training_args.bin", "stream_report.json")]

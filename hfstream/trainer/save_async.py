@@ -1,42 +1,44 @@
 """``save_async``: the stock Trainer's checkpoint, written behind training.
 
 The save is a stream: a snapshot into host memory on the training thread, then the files written
-by a background thread while the next steps run, then a rename that makes them ``checkpoint-N``.
+by the writer process while the next steps run, then a rename that makes them ``checkpoint-N``.
 
     snapshot      `DeferredWrites`: the stock ``Trainer._save_checkpoint`` runs as it is, on the
                   training thread, into a staging folder; every ``torch.save`` and safetensors
                   ``save_file`` it makes keeps a host copy of what it was given instead of writing
                   (the small JSON files are written at once); its rotation is held back. Whatever
                   the save gathers (the sharded optimizer state) is gathered here, in step order.
-    write         `AsyncSave`: one thread calls the same functions with the host copies, so the
-                  files are the stock Trainer's, byte for byte.
+    write         `AsyncSave`: the writer process (`save_writer`) calls the same functions with the
+                  host copies, so the files are the stock Trainer's, byte for byte.
     commit        the trainer, at a point every rank reaches (a step boundary, the next save, the
                   end of training): the ranks agree that every rank's files are complete (one small
                   all-reduce), then the saving rank renames the staging folder to ``checkpoint-N`` and
                   rotates. A crash before that leaves no ``checkpoint-N``: `get_last_checkpoint`
                   never sees a partial one.
 
-Why a thread: the snapshot is already in the process's host memory and the writer calls the stock
-functions on it, with no second copy. A forked process (sharing the snapshot copy-on-write) slowed
-the training steps more than the thread on 2 cores (docs/benchmarks.md): the fork and the pages the
-optimizer writes afterwards cost more than the GIL the thread shares. A spawned process fed through
-shared memory (torchtitan's choice), on a machine with free cores, is not measured.
+The writes are made by a process of their own (`save_writer`: why, measured), reading the snapshot
+from shared memory; where it cannot serve, by a thread of this process, said once.
 
 The host copies go into `SnapshotBuffers`, reused by the next save: a fresh copy pays a page fault
 per page it first writes (this host, 2026-12-06: 0.59 GB cloned in 0.24 s, copied into buffers
-already written once in 0.04 s), and pinned memory is slower still to allocate. On an accelerator
+already written once in 0.04 s), and pinned memory is slower still to allocate; the first save's
+buffers are allocated (each page written once) on a thread after the first optimizer step
+(`SnapshotBuffers.prepare`), so no save pays for them. On an accelerator
 the buffers are pinned and the copies run on a side stream of their own, each after what the
 training stream queued before it (so it copies the values of the save's step), so the next
 forward and backward need not wait for them; the trainer makes the training stream wait for the
 copies' event (the device waits, not the host) before anything can change what they read: the
 next optimizer step, and the next forward where the model has buffers (BatchNorm's running
-statistics change in the forward). The writer waits on the same event before it reads the bytes.
+statistics change in the forward). The save's thread waits on the same event before it hands the
+bytes to the writer. On an accelerator the shared arenas are pinned in place
+(``cudaHostRegister``, as torch.distributed.checkpoint pins its shared staging memory).
 This path has not run on a GPU yet (`make gpu-check` runs it where one is lent). While a save is
 in flight every step boundary costs one small all-reduce (the ranks' "written" flags), a host
 read on an accelerator.
 
 Sources: torch.distributed.checkpoint.async_save (snapshot to host, then write in the
-background), Lightning's ``AsyncCheckpointIO``.
+background; its process-based executor and shared, pinned staging memory), torchtitan's async
+checkpointing, Lightning's ``AsyncCheckpointIO``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ import copy
 import os
 import threading
 import time
+import uuid
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -112,14 +116,22 @@ class SnapshotBuffers:
     those of the sizes it needs (a model's storages keep their sizes from save to save) and frees the
     rest (`drop_rest`), so between saves the run holds one snapshot's worth of host memory.
 
+    Buffers are carved from arenas, one per `prepare` (or per buffer `take` had to allocate): with
+    ``shared``, a file in /dev/shm that the writer process (`save_writer`) maps too, so each save
+    sends it only where its tensors lie; without (or where /dev/shm has no room, said in
+    ``unshared``), ordinary memory a thread of this process writes from.
+
     Args:
-        pin: allocate pinned memory (the copies from an accelerator then do not make the host wait).
+        pin: pinned memory (the copies from an accelerator then do not make the host wait).
         stream: on an accelerator, the side stream the copies run on (None: the current stream).
+        shared: in shared memory, for the writer process.
     """
 
-    def __init__(self, pin: bool = False, stream=None):
+    def __init__(self, pin: bool = False, stream=None, shared: bool = False):
         self.pin = pin
         self.stream = stream
+        self.writer = None                               # the `WriterProcess` the arenas are shared with
+        self.unshared: str | None = None if shared else "save_async's writer process is off"
         self.taken: list[torch.Tensor] = []              # the buffers of the snapshot being taken
         self.new_bytes = 0                               # bytes `take` allocated (no free buffer fitted)
         self._free: dict[int, list[torch.Tensor]] = {}   # bytes -> buffers written by a finished save
@@ -130,8 +142,8 @@ class SnapshotBuffers:
         the first snapshot copies into memory the kernel has already mapped (a fresh copy pays a page
         fault per page, on the training thread). Sizes no snapshot takes are freed by its `drop_rest`."""
         def allocate(free=self._free):
-            for nbytes in sizes:
-                free.setdefault(nbytes, []).append(torch.zeros(nbytes, dtype=torch.uint8, pin_memory=self.pin))
+            for buffer in self._allocate(sizes, touch=True):
+                free.setdefault(buffer.numel(), []).append(buffer)
 
         self._preparing = threading.Thread(target=allocate, name="hfstream-snapshot-buffers", daemon=True)
         self._preparing.start()
@@ -148,7 +160,7 @@ class SnapshotBuffers:
         if free:
             buffer = free.pop()
         else:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            (buffer,) = self._allocate([nbytes], touch=False)
             self.new_bytes += nbytes
         self.taken.append(buffer)
         return buffer
@@ -169,6 +181,64 @@ class SnapshotBuffers:
     def held_bytes(self) -> int:
         """Bytes held for the next snapshot."""
         return sum(b.numel() for free in self._prepared().values() for b in free)
+
+    def _allocate(self, sizes: list[int], touch: bool) -> list[torch.Tensor]:
+        """Buffers of ``sizes`` carved from one new arena, each a storage of its own (``torch.save`` writes
+        whole storages); ``touch``: every page written once now."""
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += -(-n // 64) * 64   # 64-byte aligned
+        if total == 0:
+            return [torch.empty(0, dtype=torch.uint8) for _ in sizes]
+        flat, path = self._arena(total)
+        if touch:
+            flat.fill(0)
+        # Each buffer holds ``flat`` (and through it the arena's memory) until it is freed: what is done
+        # when the arena goes is tied to ``flat``.
+        buffers = [torch.frombuffer(flat, dtype=torch.uint8, count=n, offset=o) if n else torch.empty(0, dtype=torch.uint8)
+                   for n, o in zip(sizes, offsets)]
+        if path is not None:
+            carved = [(b, o) for b, o in zip(buffers, offsets) if b.numel()]
+            arena_id = self.writer.add_arena(path, total, carved)
+            weakref.finalize(flat, self.writer.forget, arena_id, [b.data_ptr() for b, _ in carved])
+        return buffers
+
+    def _arena(self, nbytes: int):
+        """``nbytes`` of host memory as a numpy array: in /dev/shm for the writer process where it can be
+        (and its path), else ordinary memory (and None)."""
+        from . import save_writer
+
+        if self.unshared is None:
+            free = save_writer.shm_free_bytes()
+            if free is None or nbytes > free - SHM_HEADROOM:
+                self.unshared = (f"/dev/shm has {free} bytes free, the snapshot needs {nbytes} more"
+                                 if free is not None else "this system has no /dev/shm")
+            else:
+                try:
+                    self.writer = self.writer or save_writer.writer()
+                except OSError as exc:
+                    self.unshared = f"the writer process did not start ({exc})"
+        if self.unshared is not None:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin).numpy(), None
+        path = os.path.join(save_writer.SHM_DIR, f"hfstream-snapshot-{os.getpid()}-{uuid.uuid4().hex}")
+        flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).numpy()
+        weakref.finalize(flat, _unlink, path)   # the writer unlinks it once mapped; this, if it never did
+        if self.pin:   # pinned in place, as torch.distributed.checkpoint pins its shared staging memory
+            cudart, pointer = torch.cuda.cudart(), flat.ctypes.data
+            if int(cudart.cudaHostRegister(pointer, nbytes, 1)) == 0:
+                weakref.finalize(flat, cudart.cudaHostUnregister, pointer)
+        return flat, path
+
+
+SHM_HEADROOM = 64 << 20   # left free in /dev/shm: a full tmpfs ends a process that writes into it (SIGBUS)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def host_copy(obj: Any, memo: dict, buffers: SnapshotBuffers) -> Any:
@@ -282,7 +352,8 @@ class DeferredWrites:
 
 
 class AsyncSave:
-    """One checkpoint in flight: its writes on a background thread, then its rename to ``final_dir``.
+    """One checkpoint in flight: its writes sent to the writer process (or made by a thread of this one,
+    where they cannot be), waited for on a background thread; then its rename to ``final_dir``.
 
     Args:
         writes: the `Write` list of a `DeferredWrites`.
@@ -292,18 +363,22 @@ class AsyncSave:
         rotations: ``rotate_checkpoints`` keyword arguments, for the commit (after the rename).
         event: on an accelerator, recorded after the host copies; the writer waits on it first.
         buffers: the host buffers the snapshot took (`SnapshotBuffers.drop_rest`), free again once written.
+        writer: the `save_writer.WriterProcess` the buffers are shared with (None: a thread writes).
     """
 
     def __init__(self, writes: list[Write], staging_dir: str, final_dir: str, state: Any = None,
-                 rotations: list[dict] | None = None, event=None, buffers: list[torch.Tensor] | None = None):
+                 rotations: list[dict] | None = None, event=None, buffers: list[torch.Tensor] | None = None,
+                 writer=None):
         self.staging_dir = staging_dir
         self.final_dir = final_dir
         self.state = state
         self.rotations = rotations or []
         self.writes = writes
         self.buffers = buffers or []
-        self.error: tuple[str, BaseException] | None = None   # (the path it failed on, why)
-        self.write_s = 0.0                                      # seconds the writer took
+        self.writer = writer
+        self.by_thread: str | None = None                # why this process's thread wrote it, not the writer
+        self.error: tuple[str, str] | None = None        # (the path it failed on, why)
+        self.write_s = 0.0                               # seconds the writer took
         self._event = event
         self._thread = threading.Thread(target=self._run, name=f"hfstream-save-{os.path.basename(final_dir)}",
                                         daemon=True)
@@ -323,24 +398,38 @@ class AsyncSave:
         return time.perf_counter() - t0
 
     def _run(self) -> None:
+        from .save_writer import WriterGone
+
         t0 = time.perf_counter()
         path = self.staging_dir
         try:
             if self._event is not None:
                 self._event.synchronize()   # the host copies have landed
+            message = None
+            if self.writer is not None:
+                try:
+                    message = self.writer.encode(self.writes)
+                except Exception as exc:   # a tensor outside the shared buffers, a function pickle cannot name
+                    self.by_thread = f"{type(exc).__name__}: {exc}"
+            if message is not None:
+                self.error, self.write_s = self.writer.write(message)
+                return
             for write in self.writes:
                 path = write.path
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 write.fn(*write.args, **write.kwargs)
+            self.write_s = time.perf_counter() - t0
+        except WriterGone as exc:
+            self.error = (path, str(exc))
         except BaseException as exc:   # said on the training thread, at the next step
-            self.error = (path, exc)
+            self.error = (path, f"{type(exc).__name__}: {exc}")
         finally:
             self.writes = []
-            self.write_s = time.perf_counter() - t0
+            self.write_s = self.write_s or time.perf_counter() - t0
 
     def failure(self) -> str:
-        path, exc = self.error
-        return (f"save_async: writing {path!r} failed ({type(exc).__name__}: {exc}); {self.final_dir!r} was not "
+        path, why = self.error
+        return (f"save_async: writing {path!r} failed ({why}); {self.final_dir!r} was not "
                 f"made and the previous checkpoint is whole. Free space or fix the permissions of output_dir, "
                 f"or set save_async=False to save in the training loop")
 

@@ -126,7 +126,7 @@ class StreamTrainerMixin:
         self._snapshot_copied = None   # on an accelerator: the event after the last snapshot's copies, until waited
         self._snapshot_reads_buffers = False   # and whether the model has buffers its forward may change
         self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
-                           "write_s": 0.0, "drain_s": 0.0}
+                           "write_s": 0.0, "drain_s": 0.0, "held_bytes": 0, "new_bytes": 0}
         self._save_exposed_logged = 0.0   # exposed_s already in a log line
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
@@ -170,6 +170,7 @@ class StreamTrainerMixin:
             self._gather_report()
         self._close_watchdog()
         self._close_prefetcher()
+        self._release_snapshot_buffers()
         if self._forward_hook is not None:
             self._forward_hook.remove()
             self._forward_hook = None
@@ -581,7 +582,8 @@ class StreamTrainerMixin:
         rotations = [dict(kw, output_dir=run_dir, best_model_checkpoint=self.state.best_model_checkpoint)
                      for kw in deferred.rotations]
         self._save_in_flight = AsyncSave(deferred.writes, staging, final, state=copy.deepcopy(self.state),
-                                         rotations=rotations, event=event, buffers=taken).start()
+                                         rotations=rotations, event=event, buffers=taken,
+                                         writer=self._snapshot_buffers.writer).start()
         self.save_times["saves"] += 1
         self.save_times["snapshot_s"] += time.perf_counter() - t0
         self.save_times["exposed_s"] += time.perf_counter() - t0
@@ -595,7 +597,9 @@ class StreamTrainerMixin:
             from .save_async import SnapshotBuffers
 
             on_device = self.args.device.type != "cpu"
-            self._snapshot_buffers = SnapshotBuffers(pin=on_device,
+            # The writer process serves the rank that saves the model; another rank's files (its RNG
+            # state, a few KiB) are written sooner by a thread than a process could start.
+            self._snapshot_buffers = SnapshotBuffers(pin=on_device, shared=self.args.should_save,
                                                      stream=streams.new_stream(self.args.device) if on_device else None)
 
     def _prepare_snapshot_buffers(self) -> None:
@@ -612,6 +616,19 @@ class StreamTrainerMixin:
         available = available_host_bytes()
         if available is None or sum(sizes) <= available:
             self._snapshot_buffers.prepare(sizes)
+
+    def _release_snapshot_buffers(self) -> None:
+        """save_async, at the end of train(): the snapshot's host memory (and the writer's map of it) is freed;
+        what it held is kept for the report."""
+        buffers, self._snapshot_buffers = self._snapshot_buffers, None
+        if buffers is None:
+            return
+        self.save_times["held_bytes"] = buffers.held_bytes
+        self.save_times["new_bytes"] = buffers.new_bytes
+        writer = buffers.writer
+        del buffers
+        if writer is not None:
+            writer.release()
 
     def _wait_for_snapshot_copies(self) -> None:
         """The training stream waits (the device, not the host) for the last snapshot's copies: next it may
@@ -658,6 +675,13 @@ class StreamTrainerMixin:
         if short:
             raise ValueError(f"{short}, before the optimizer's state. Set save_async=False (the blocking save needs "
                              f"no copy), or free host memory")
+        if self.args.should_save:   # the writer process starts (and imports) while the first steps run
+            from .save_writer import writer
+
+            try:
+                writer()
+            except OSError:   # said at the first save, which writes from a thread instead
+                pass
 
     def _make_room_for_snapshot(self, staging: str) -> bool:
         """A crashed run's leftover staging folder goes; whether the snapshot fits the host's memory.
@@ -717,6 +741,12 @@ class StreamTrainerMixin:
             return
         self._save_in_flight = None
         self._snapshot_buffers.give_back(save.buffers)   # written: the next snapshot copies into them
+        by_thread = save.by_thread or (self._snapshot_buffers.unshared if save.writer is None else None)
+        if by_thread and self.args.should_save:
+            self._note(f"hfstream: save_async wrote from a thread of the training process, not its writer process "
+                       f"({by_thread}): the writes share this process's GIL, and the steps beside them run slower "
+                       f"(docs/benchmarks.md). Give /dev/shm room for one snapshot, and keep torch.save and "
+                       f"safetensors' save_file importable by name")
         renamed = None   # why the rename failed, on the saving rank
         if self.args.should_save:
             from transformers.trainer import rotate_checkpoints
@@ -754,7 +784,10 @@ class StreamTrainerMixin:
                 "exposed_s": round(times["exposed_s"], 4), "snapshot_s": round(times["snapshot_s"], 4),
                 "exposed_s_per_save": round(times["exposed_s"] / times["saves"], 4),
                 "wait_s": round(times["wait_s"], 4), "drain_s": round(times["drain_s"], 4),
-                "write_s": round(times["write_s"], 4)}
+                "write_s": round(times["write_s"], 4),
+                # Host memory the snapshots held at the end (one snapshot, reused by every save), and what
+                # a save had to allocate itself (the rest was allocated behind the first steps).
+                "held_bytes": times["held_bytes"], "new_bytes": times["new_bytes"]}
 
     def _finalize_training(self, *args, **kwargs):
         waited = self.save_times["wait_s"]
