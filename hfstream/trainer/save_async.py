@@ -199,9 +199,15 @@ class SnapshotBuffers:
         buffers = [torch.frombuffer(flat, dtype=torch.uint8, count=n, offset=o) if n else torch.empty(0, dtype=torch.uint8)
                    for n, o in zip(sizes, offsets)]
         if path is not None:
+            from .save_writer import WriterGone
+
             carved = [(b, o) for b, o in zip(buffers, offsets) if b.numel()]
-            arena_id = self.writer.add_arena(path, total, carved)
-            weakref.finalize(flat, self.writer.forget, arena_id, [b.data_ptr() for b, _ in carved])
+            try:
+                arena_id = self.writer.add_arena(path, total, carved)
+            except WriterGone as exc:   # this memory serves a thread instead, as every later buffer does
+                self.unshared, self.writer = str(exc), None
+            else:
+                weakref.finalize(flat, self.writer.forget, arena_id, [b.data_ptr() for b, _ in carved])
         return buffers
 
     def _arena(self, nbytes: int):
@@ -209,6 +215,8 @@ class SnapshotBuffers:
         (and its path), else ordinary memory (and None)."""
         from . import save_writer
 
+        if self.unshared is None and self.writer is not None and not self.writer.alive:
+            self.unshared, self.writer = self.writer.ended, None
         if self.unshared is None:
             free = save_writer.shm_free_bytes()
             if free is None or nbytes > free - SHM_HEADROOM:
@@ -406,21 +414,24 @@ class AsyncSave:
             if self._event is not None:
                 self._event.synchronize()   # the host copies have landed
             message = None
-            if self.writer is not None:
+            if self.writer is not None and not self.writer.alive:   # ended between saves: nothing was lost yet
+                self.by_thread = self.writer.ended
+            elif self.writer is not None:
                 try:
                     message = self.writer.encode(self.writes)
                 except Exception as exc:   # a tensor outside the shared buffers, a function pickle cannot name
                     self.by_thread = f"{type(exc).__name__}: {exc}"
             if message is not None:
-                self.error, self.write_s = self.writer.write(message)
-                return
+                try:
+                    self.error, self.write_s = self.writer.write(message)
+                    return
+                except WriterGone as exc:   # it ended (killed, or never started): the snapshot is still here
+                    self.by_thread = str(exc)
             for write in self.writes:
                 path = write.path
                 os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
                 write.fn(*write.args, **write.kwargs)
             self.write_s = time.perf_counter() - t0
-        except WriterGone as exc:
-            self.error = (path, str(exc))
         except BaseException as exc:   # said on the training thread, at the next step
             self.error = (path, f"{type(exc).__name__}: {exc}")
         finally:

@@ -72,6 +72,11 @@ def _receive(stream) -> bytes | None:
     return data if len(data) == n else None
 
 
+# The writer's command line: its results go to a copy of stdout taken first, whatever it prints to
+# stderr; it imports what unpickling a save needs (transformers: training_args.bin) while training begins.
+START = ("import os; results = os.dup(1); os.dup2(2, 1); "
+         "from hfstream.trainer.save_writer import serve; serve(results, preload=True)")
+
 _STR, _TENSOR = 0, 1   # the kinds of persistent id (not strings: pickle would ask for their ids too)
 
 
@@ -141,10 +146,7 @@ class WriterProcess:
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join(p for p in sys.path if p))   # what this process imports, it does
         # Its results go to a copy of stdout taken first; whatever it prints goes to stderr.
-        # It imports what unpickling a save needs (transformers: training_args.bin) while training begins.
-        start = ("import os; results = os.dup(1); os.dup2(2, 1); "
-                 "from hfstream.trainer.save_writer import serve; serve(results, preload=True)")
-        self.proc = subprocess.Popen([sys.executable, "-c", start], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, "-c", START], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env)
         self.pid = os.getpid()      # the training process that started it
         self._lock = threading.Lock()   # arenas are announced from the snapshot's and the preparing thread
@@ -155,6 +157,11 @@ class WriterProcess:
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    @property
+    def ended(self) -> str:
+        """Why it cannot write (it ended), for a message."""
+        return f"the writer process (pid {self.proc.pid}) ended, exit code {self.proc.poll()}"
 
     def add_arena(self, path: str, nbytes: int, buffers: list[tuple[torch.Tensor, int]]) -> int:
         """Tell the writer of the arena at ``path`` (it maps the file, then removes its name);
@@ -196,7 +203,8 @@ class WriterProcess:
         while True:
             data = _receive(self.proc.stdout)
             if data is None:
-                raise WriterGone(f"the writer process (pid {self.proc.pid}) ended, exit code {self.proc.wait()}")
+                self.proc.wait()
+                raise WriterGone(self.ended)
             kind, failure, seconds = pickle.loads(data)
             if kind == "written":
                 return failure, seconds
@@ -211,6 +219,8 @@ class WriterProcess:
         except (BrokenPipeError, ValueError) as exc:
             raise WriterGone(f"the writer process (pid {self.proc.pid}) is gone: {exc}") from exc
 
+
+IN_WRITER = False   # True inside the writer process
 
 _WRITER: WriterProcess | None = None
 _WRITER_LOCK = threading.Lock()
@@ -227,6 +237,8 @@ def writer() -> WriterProcess:
 
 def serve(results_fd: int, preload: bool = False) -> None:
     """The writer process: messages on stdin, results on ``results_fd``, until stdin closes."""
+    global IN_WRITER
+    IN_WRITER = True
     torch.set_num_threads(1)
     if preload:
         import safetensors.torch  # noqa: F401
