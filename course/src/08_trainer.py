@@ -435,14 +435,18 @@ assert abs(checked["mine_ms"] - checked["predicted_ms"]) < 0.15 * checked["predi
 # training thread, and the step waits until the last byte is on disk. `StreamTrainingArguments(
 # save_async=True)` makes the save a stream, the same shape as the prefetcher of lesson 03: at a
 # save step each rank **copies** what the stock save would write into host memory (the snapshot),
-# a background thread writes the very same files from those copies while the next steps run, and
-# once every rank's files are complete the staging folder is renamed to `checkpoint-N` (a crash
-# before that leaves no half-written `checkpoint-N`). `hfstream/trainer/save_async.py` says how.
+# a writer in the background writes the very same files from those copies while the next steps
+# run, and once every rank's files are complete the staging folder is renamed to `checkpoint-N` (a
+# crash before that leaves no half-written `checkpoint-N`). `hfstream/trainer/save_async.py` says
+# how. The writer is a process of its own that reads the copies from shared memory (/dev/shm), not a
+# thread: a thread would share the training thread's GIL, and the stock writes take it in many
+# short bursts (pickling, a copy per tensor); the step a write starts beside ran 6-18 % longer
+# beside a thread, 0 % beside the process (`docs/benchmarks.md`, "The writer").
 #
 # Below, one process trains a tiny GPT-2 for 12 steps with a save every 4, once with the blocking
 # save and once with `save_async=True`; the step report's `save` entry says how long the training
-# thread spent in the saves (`exposed_s`) and, for the asynchronous one, how long the background
-# writes took (`write_s`). A checkpoint this small is written in milliseconds, so the difference
+# thread spent in the saves (`exposed_s`) and, for the asynchronous one, how long the writer
+# took (`write_s`). A checkpoint this small is written in milliseconds, so the difference
 # is small here; it grows with the bytes (7B parameters and AdamW's two moments, all in float32,
 # are 84 GB).
 
