@@ -216,8 +216,12 @@ class WriterProcess:
                 _send(self.proc.stdin, ("forget", self._forgotten.pop()))
             if obj is not None:
                 _send(self.proc.stdin, obj)
-        except (BrokenPipeError, ValueError) as exc:
-            raise WriterGone(f"the writer process (pid {self.proc.pid}) is gone: {exc}") from exc
+        except (BrokenPipeError, ValueError) as exc:   # its end of the pipe closed: it is ending
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+            raise WriterGone(self.ended) from exc
 
 
 IN_WRITER = False   # True inside the writer process
