@@ -577,3 +577,17 @@ def test_where_the_writer_process_cannot_serve_a_thread_writes_said_once_with_wh
     assert len(said) == 1 and why in said[0], trainer._notes
     monkeypatch.undo()
     _same_as_blocking(tmp_path, steps=(2, 4))
+
+
+def test_ctrl_c_is_the_training_processs_the_writer_process_goes_on(tmp_path):
+    # A terminal's Ctrl-C reaches every process of its group: the writer must not die of it mid-write.
+    import signal
+    import time
+
+    from hfstream.trainer import save_writer
+
+    writer = save_writer.writer()
+    time.sleep(0.5)   # past its start, where the handler is set first
+    os.kill(writer.proc.pid, signal.SIGINT)
+    time.sleep(0.5)
+    assert writer.alive

@@ -72,9 +72,10 @@ def _receive(stream) -> bytes | None:
     return data if len(data) == n else None
 
 
-# The writer's command line: its results go to a copy of stdout taken first, whatever it prints to
+# The writer's command line: Ctrl-C is the training process's to handle (the writer ends when that
+# process closes the pipe); its results go to a copy of stdout taken first, whatever it prints to
 # stderr; it imports what unpickling a save needs (transformers: training_args.bin) while training begins.
-START = ("import os; results = os.dup(1); os.dup2(2, 1); "
+START = ("import os, signal; signal.signal(signal.SIGINT, signal.SIG_IGN); results = os.dup(1); os.dup2(2, 1); "
          "from hfstream.trainer.save_writer import serve; serve(results, preload=True)")
 
 _STR, _TENSOR = 0, 1   # the kinds of persistent id (not strings: pickle would ask for their ids too)
