@@ -129,8 +129,8 @@ class _RefUnpickler(pickle.Unpickler):
         _, arena, offset, nbytes, dtype, storage_offset, size, stride, parameter, requires_grad = pid
         storage = self.storages.get((arena, offset))
         if storage is None:
-            storage = torch.frombuffer(self.arenas[arena], dtype=torch.uint8, count=nbytes, offset=offset).untyped_storage()
-            self.storages[(arena, offset)] = storage
+            buffer = torch.frombuffer(self.arenas[arena], dtype=torch.uint8, count=nbytes, offset=offset)
+            storage = self.storages[(arena, offset)] = buffer.untyped_storage()
         t = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
         return torch.nn.Parameter(t, requires_grad=requires_grad) if parameter else t
 
@@ -144,9 +144,9 @@ class WriterProcess:
     """
 
     def __init__(self):
+        # It imports what this process imports (the same path, absolute), on one thread.
         env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(p for p in sys.path if p))   # what this process imports, it does
-        # Its results go to a copy of stdout taken first; whatever it prints goes to stderr.
+                   PYTHONPATH=os.pathsep.join(os.path.abspath(p or ".") for p in sys.path))
         self.proc = subprocess.Popen([sys.executable, "-c", START], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      env=env)
         self.pid = os.getpid()      # the training process that started it
