@@ -591,3 +591,64 @@ def test_ctrl_c_is_the_training_processs_the_writer_process_goes_on(tmp_path):
     os.kill(writer.proc.pid, signal.SIGINT)
     time.sleep(0.5)
     assert writer.alive
+
+
+# -- the snapshot's copies on CPU, beside the next step -----------------------------------------------
+@pytest.fixture
+def slow_copies(monkeypatch):
+    """The snapshot's copy thread starts 0.3 s late: what the next step changes before it waits would be
+    written. Yields the list of (save returned, copies landed) times."""
+    import time
+
+    from hfstream.trainer import save_async
+
+    start, seen = save_async.HostCopies.start, []
+
+    def late_start(self):
+        jobs, self.jobs = self.jobs, []
+
+        def copy_all():
+            time.sleep(0.3)
+            for host, source in jobs:
+                host.copy_(source)
+            seen[-1].append(time.perf_counter())
+
+        seen.append([time.perf_counter()])
+        self._thread = threading.Thread(target=copy_all, daemon=True)
+        self._thread.start()
+        return self
+
+    monkeypatch.setattr(save_async.HostCopies, "start", late_start)
+    yield seen
+    monkeypatch.setattr(save_async.HostCopies, "start", start)
+
+
+def test_on_cpu_the_snapshot_is_copied_beside_the_next_step_and_waited_for_before_its_optimizer_step(
+        tmp_path, slow_copies):
+    trainer = _trainer(tmp_path / "async", max_steps=4, save_async=True)
+    trainer.train()
+    assert len(slow_copies) == 2 and all(landed - returned >= 0.3 for returned, landed in slow_copies)
+    save = trainer.stream_report()["save"]
+    assert save["copy_wait_s"] >= 0.2 and save["exposed_s"] >= save["copy_wait_s"]   # the wait is the save's
+    _same_as_blocking(tmp_path, steps=(2, 4))   # without the wait, step 3's update would be in checkpoint-2
+
+
+class PerturbsWeights(StreamTrainer):
+    """A training_step that moves the weights and back inside the step (as FGM and SAM do)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(1.0)
+        return loss
+
+
+def test_a_training_step_that_moves_the_weights_waits_for_the_copies_before_it_begins(tmp_path, slow_copies):
+    _trainer(tmp_path / "async", cls=PerturbsWeights, max_steps=4, save_async=True).train()
+    _trainer(tmp_path / "blocking", cls=PerturbsWeights, max_steps=4).train()
+    for step in (2, 4):
+        _same_files(tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}")

@@ -58,7 +58,16 @@ def _run(out, save_async, grad_sync="native"):
         save_checkpoint(*args, **kwargs)
         per_save.append(time.perf_counter() - t0)
 
+    wait_for_copies = trainer._wait_for_snapshot_copies
+
+    def timed_wait():   # on CPU the next step waits for the snapshot's copies before its optimizer step: the save's
+        t0 = time.perf_counter()
+        wait_for_copies()
+        if per_save:
+            per_save[-1] += time.perf_counter() - t0
+
     trainer._save_checkpoint = timed
+    trainer._wait_for_snapshot_copies = timed_wait
     trainer.train()
     folder = os.path.join(out, f"checkpoint-{EVERY}")
     size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder))
@@ -74,7 +83,7 @@ def _line(save_async, times, per_save, steps, size, params) -> str:
             f"{times['saves']} saves: exposed {times['exposed_s']:.3f} s in all, {times['drain_s']:.3f} s of it the end "
             f"of train(); per save {per_save[0]:.3f} s (first), {sum(regular) / len(regular):.3f} s (2nd-5th, mean), "
             f"{max(regular):.3f} s (2nd-5th, max), {per_save[-1]:.3f} s (the last, 2 steps after the 5th); "
-            f"snapshot {times['snapshot_s']:.3f}, waits {times['wait_s']:.3f}, rename {times['commit_s']:.3f} s in all; "
+            f"snapshot {times['snapshot_s']:.3f}, copy waits {times['copy_wait_s']:.3f}, waits {times['wait_s']:.3f}, rename {times['commit_s']:.3f} s in all; "
             f"writer {times['write_s']:.3f} s; each save {' '.join(f'{t:.2f}' for t in per_save)} s; steps 1-2 after a save {1000 * sum(beside) / len(beside):.0f} ms, "
             f"step 3 after {1000 * sum(others) / len(others):.0f} ms")
 

@@ -130,6 +130,7 @@ class SnapshotBuffers:
     def __init__(self, pin: bool = False, stream=None, shared: bool = False):
         self.pin = pin
         self.stream = stream
+        self.copies: HostCopies | None = None            # on CPU, where the snapshot's copies wait for their thread
         self.writer = None                               # the `WriterProcess` the arenas are shared with
         self.unshared: str | None = None if shared else "save_async's writer process is off"
         self.taken: list[torch.Tensor] = []              # the buffers of the snapshot being taken
@@ -239,6 +240,40 @@ class SnapshotBuffers:
         return flat, path
 
 
+class HostCopies:
+    """Training on CPU: the snapshot's copies made by a thread of their own, beside the next forward and
+    backward, as a side stream makes them on an accelerator.
+
+    What they read (parameters, buffers, the optimizer's state; each source is held until copied) only
+    the next optimizer step changes, and a forward for a BatchNorm's statistics: the trainer waits
+    (`synchronize`, a CUDA event's name for it) before those. A copy releases the GIL: with a core
+    free it costs the training thread nothing but that wait.
+    """
+
+    def __init__(self):
+        self.jobs: list[tuple[torch.Tensor, torch.Tensor]] = []   # (host buffer, source), in the save's order
+        self._thread: threading.Thread | None = None
+
+    def add(self, host: torch.Tensor, source: torch.Tensor) -> None:
+        self.jobs.append((host, source))
+
+    def start(self) -> "HostCopies":
+        jobs, self.jobs = self.jobs, []
+
+        def copy_all():
+            for host, source in jobs:
+                host.copy_(source)
+
+        self._thread = threading.Thread(target=copy_all, name="hfstream-snapshot-copies", daemon=True)
+        self._thread.start()
+        return self
+
+    def synchronize(self) -> None:
+        """Until every copy has landed."""
+        if self._thread is not None:
+            self._thread.join()
+
+
 SHM_HEADROOM = 64 << 20   # left free in /dev/shm: a full tmpfs ends a process that writes into it (SIGBUS)
 
 
@@ -278,7 +313,9 @@ def _host_tensor(t: torch.Tensor, memo: dict, buffers: SnapshotBuffers) -> torch
     if host is None:
         whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
         host = buffers.take(whole.numel())
-        if buffers.stream is None or t.device.type == "cpu":   # a host tensor (an RNG state): copied now
+        if buffers.copies is not None and t.device.type == "cpu":   # training on CPU: copied beside the next step
+            buffers.copies.add(host, whole)
+        elif buffers.stream is None or t.device.type == "cpu":   # a host tensor (an RNG state): copied now
             host.copy_(whole)
         else:
             # On the side stream, after what the training stream queued before (the save's own copies

@@ -124,9 +124,9 @@ class StreamTrainerMixin:
         self._staging_run_dir: str | None = None
         self._snapshot_buffers = None
         self._snapshot_copied = None   # on an accelerator: the event after the last snapshot's copies, until waited
-        self._snapshot_reads_buffers = False   # and whether the model has buffers its forward may change
+        self._snapshot_reads_buffers = False   # and whether the next step may change what they copy before its optimizer step
         self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
-                           "write_s": 0.0, "drain_s": 0.0, "held_bytes": 0, "new_bytes": 0}
+                           "write_s": 0.0, "drain_s": 0.0, "copy_wait_s": 0.0, "held_bytes": 0, "new_bytes": 0}
         self._save_exposed_logged = 0.0   # exposed_s already in a log line
 
     # -- before training: refuse what would fail late or hang ----------------------------------------
@@ -383,7 +383,7 @@ class StreamTrainerMixin:
         try:
             step = self.state.global_step + 1
             self._watch(f"inside step {step} (forward, backward and the gradient reduction)")
-            if self._snapshot_reads_buffers:   # save_async: the forward may change a buffer being copied
+            if self._snapshot_reads_buffers:   # save_async: the step may change what is being copied
                 self._wait_for_snapshot_copies()
             loss = self._synchronised(run, model, inputs, *args, **kwargs)
             if self.accelerator.sync_gradients:   # save_async: the optimizer step changes what was copied
@@ -558,6 +558,10 @@ class StreamTrainerMixin:
         if not self._make_room_for_snapshot(staging):
             return self._save_blocking(model, trial)
         self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
+        if not on_device:   # the copies run beside the next forward and backward (`HostCopies`)
+            from .save_async import HostCopies
+
+            self._snapshot_buffers.copies = HostCopies()
         try:
             with DeferredWrites(self._snapshot_buffers) as deferred:
                 super()._save_checkpoint(model, trial)
@@ -570,14 +574,15 @@ class StreamTrainerMixin:
                 from transformers.trainer import TRAINER_STATE_NAME
 
                 self.state.save_to_json(os.path.join(staging, TRAINER_STATE_NAME))
-        event = None
         if on_device:   # the host copies were queued on the side stream, each after the training stream's work
             from .. import streams
 
             event = streams.new_event(self.args.device)
             event.record(self._snapshot_buffers.stream)
-            self._snapshot_copied = event
-            self._snapshot_reads_buffers = any(True for _ in model.buffers())
+        else:           # the copies begin on their thread now
+            event, self._snapshot_buffers.copies = self._snapshot_buffers.copies.start(), None
+        self._snapshot_copied = event
+        self._snapshot_reads_buffers = self._step_may_change_weights(model)
         # Rotation waits for the rename, over the real run dir (the stock save named the staging one).
         rotations = [dict(kw, output_dir=run_dir, best_model_checkpoint=self.state.best_model_checkpoint)
                      for kw in deferred.rotations]
@@ -617,6 +622,19 @@ class StreamTrainerMixin:
         if available is None or sum(sizes) <= available:
             self._snapshot_buffers.prepare(sizes)
 
+    def _step_may_change_weights(self, model) -> bool:
+        """save_async: whether the next step may change what a snapshot copies before its optimizer step (then
+        its copies are waited for at the step's start): a forward changes a saved buffer (a BatchNorm's
+        statistics), and a ``training_step`` or ``compute_loss`` of the user's may perturb weights in place
+        (FGM, SAM)."""
+        from transformers import Trainer
+
+        cls = type(self)
+        saved = model.state_dict(keep_vars=True)
+        return (any(name in saved for name, _ in model.named_buffers())
+                or cls.training_step is not StreamTrainerMixin.training_step
+                or cls.compute_loss is not Trainer.compute_loss)
+
     def _release_snapshot_buffers(self) -> None:
         """save_async, at the end of train(): the snapshot's host memory (and the writer's map of it) is freed;
         what it held is kept for the report."""
@@ -635,8 +653,16 @@ class StreamTrainerMixin:
         change what they read."""
         if self._snapshot_copied is not None:
             from .. import streams
+            from .save_async import HostCopies
 
-            streams.wait_event(self._snapshot_copied, streams.current_stream(self.args.device))
+            if isinstance(self._snapshot_copied, HostCopies):   # on CPU the host waits: the time is the save's
+                t0 = time.perf_counter()
+                self._snapshot_copied.synchronize()
+                waited = time.perf_counter() - t0
+                self.save_times["copy_wait_s"] += waited
+                self.save_times["exposed_s"] += waited
+            else:
+                streams.wait_event(self._snapshot_copied, streams.current_stream(self.args.device))
             self._snapshot_copied = None
 
     def _save_blocking(self, model, trial) -> None:
@@ -785,6 +811,8 @@ class StreamTrainerMixin:
                 "exposed_s_per_save": round(times["exposed_s"] / times["saves"], 4),
                 "wait_s": round(times["wait_s"], 4), "drain_s": round(times["drain_s"], 4),
                 "write_s": round(times["write_s"], 4),
+                # On CPU: the next step's wait, before its optimizer step, for the copies made beside it.
+                "copy_wait_s": round(times["copy_wait_s"], 4),
                 # Host memory the snapshots held at the end (one snapshot, reused by every save), and what
                 # a save had to allocate itself (the rest was allocated behind the first steps).
                 "held_bytes": times["held_bytes"], "new_bytes": times["new_bytes"]}
