@@ -29,7 +29,9 @@ training stream queued before it (so it copies the values of the save's step), s
 forward and backward need not wait for them; the trainer makes the training stream wait for the
 copies' event (the device waits, not the host) before anything can change what they read: the
 next optimizer step, and the next forward where the model has buffers (BatchNorm's running
-statistics change in the forward). The save's thread waits on the same event before it hands the
+statistics change in the forward, and a user's training_step may move weights). Training on CPU,
+a thread of their own makes the copies the same way (`HostCopies`). The save's thread waits on the
+same event before it hands the
 bytes to the writer. On an accelerator the shared arenas are pinned in place
 (``cudaHostRegister``, as torch.distributed.checkpoint pins its shared staging memory).
 This path has not run on a GPU yet (`make gpu-check` runs it where one is lent). While a save is
