@@ -31,9 +31,8 @@ copies' event (the device waits, not the host) before anything can change what t
 next optimizer step, and the next forward where the model has buffers (BatchNorm's running
 statistics change in the forward, and a user's training_step may move weights). Training on CPU,
 a thread of their own makes the copies the same way (`HostCopies`). The save's thread waits on the
-same event before it hands the
-bytes to the writer. On an accelerator the shared arenas are pinned in place
-(``cudaHostRegister``, as torch.distributed.checkpoint pins its shared staging memory).
+same event before it hands the bytes to the writer. On an accelerator the shared arenas are pinned
+in place (``cudaHostRegister``, as torch.distributed.checkpoint pins its shared staging memory).
 This path has not run on a GPU yet (`make gpu-check` runs it where one is lent). While a save is
 in flight every step boundary costs one small all-reduce (the ranks' "written" flags), a host
 read on an accelerator.
@@ -109,6 +108,11 @@ class Write(NamedTuple):
     path: str
     args: tuple
     kwargs: dict
+
+    def run(self) -> None:
+        """Make the file (its folder first), by whichever thread or process writes it."""
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self.fn(*self.args, **self.kwargs)
 
 
 class SnapshotBuffers:
@@ -234,7 +238,7 @@ class SnapshotBuffers:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin).numpy(), None
         path = os.path.join(save_writer.SHM_DIR, f"hfstream-snapshot-{os.getpid()}-{uuid.uuid4().hex}")
         flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).numpy()
-        weakref.finalize(flat, _unlink, path)   # the writer unlinks it once mapped; this, if it never did
+        weakref.finalize(flat, save_writer.unlink, path)   # the writer unlinks it once mapped; this, if it never did
         if self.pin:   # pinned in place, as torch.distributed.checkpoint pins its shared staging memory
             cudart, pointer = torch.cuda.cudart(), flat.ctypes.data
             if int(cudart.cudaHostRegister(pointer, nbytes, 1)) == 0:
@@ -247,8 +251,9 @@ class HostCopies:
     backward, as a side stream makes them on an accelerator.
 
     What they read (parameters, buffers, the optimizer's state; each source is held until copied) only
-    the next optimizer step changes, and a forward for a BatchNorm's statistics: the trainer waits
-    (`synchronize`, a CUDA event's name for it) before those. A copy releases the GIL: with a core
+    the next optimizer step changes, and before it a forward (a BatchNorm's statistics) or a user's
+    ``training_step`` (FGM, SAM): the trainer waits (`synchronize`, a CUDA event's name for it) before
+    those. A copy releases the GIL: with a core
     free it costs the training thread nothing but that wait.
     """
 
@@ -277,13 +282,6 @@ class HostCopies:
 
 
 SHM_HEADROOM = 64 << 20   # left free in /dev/shm: a full tmpfs ends a process that writes into it (SIGBUS)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def host_copy(obj: Any, memo: dict, buffers: SnapshotBuffers) -> Any:
@@ -408,7 +406,8 @@ class AsyncSave:
         final_dir: its name once every rank is done (``<output_dir>/checkpoint-N``).
         state: the Trainer's state at the save (for the ``on_save`` callbacks, run at the commit).
         rotations: ``rotate_checkpoints`` keyword arguments, for the commit (after the rename).
-        event: on an accelerator, recorded after the host copies; the writer waits on it first.
+        event: what ends the host copies (a CUDA event on an accelerator, `HostCopies` on CPU); waited on
+            before the writer reads them.
         buffers: the host buffers the snapshot took (`SnapshotBuffers.drop_rest`), free again once written.
         writer: the `save_writer.WriterProcess` the buffers are shared with (None: a thread writes).
     """
@@ -445,37 +444,43 @@ class AsyncSave:
         return time.perf_counter() - t0
 
     def _run(self) -> None:
-        from .save_writer import WriterGone
-
         t0 = time.perf_counter()
         path = self.staging_dir
         try:
             if self._event is not None:
                 self._event.synchronize()   # the host copies have landed
-            message = None
-            if self.writer is not None and not self.writer.alive:   # ended between saves: nothing was lost yet
-                self.by_thread = self.writer.ended
-            elif self.writer is not None:
-                try:
-                    message = self.writer.encode(self.writes)
-                except Exception as exc:   # a tensor outside the shared buffers, a function pickle cannot name
-                    self.by_thread = f"{type(exc).__name__}: {exc}"
-            if message is not None:
-                try:
-                    self.error, self.write_s = self.writer.write(message)
-                    return
-                except WriterGone as exc:   # it ended (killed, or never started): the snapshot is still here
-                    self.by_thread = str(exc)
+            if self._by_writer():
+                return
             for write in self.writes:
                 path = write.path
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                write.fn(*write.args, **write.kwargs)
-            self.write_s = time.perf_counter() - t0
+                write.run()
         except BaseException as exc:   # said on the training thread, at the next step
             self.error = (path, f"{type(exc).__name__}: {exc}")
         finally:
             self.writes = []
             self.write_s = self.write_s or time.perf_counter() - t0
+
+    def _by_writer(self) -> bool:
+        """The writes sent to the writer process and waited for; False, with why in ``by_thread``, where
+        this thread must make them (the snapshot is still here)."""
+        from .save_writer import WriterGone
+
+        if self.writer is None:
+            return False
+        if not self.writer.alive:   # ended between saves
+            self.by_thread = self.writer.ended
+            return False
+        try:
+            message = self.writer.encode(self.writes)
+        except Exception as exc:   # a tensor outside the shared buffers, a function pickle cannot name
+            self.by_thread = f"{type(exc).__name__}: {exc}"
+            return False
+        try:
+            self.error, self.write_s = self.writer.write(message)
+        except WriterGone as exc:   # it ended mid-save (killed), or never started
+            self.by_thread = str(exc)
+            return False
+        return True
 
     def failure(self) -> str:
         path, why = self.error

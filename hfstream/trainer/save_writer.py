@@ -57,6 +57,14 @@ def shm_free_bytes() -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def unlink(path: str) -> None:
+    """Remove an arena's name, if either process has not already."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def _send(stream, obj: Any) -> None:
     data = obj if isinstance(obj, bytes) else pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(data)) + data)
@@ -201,14 +209,12 @@ class WriterProcess:
         """Send one save's writes, wait for them: (None or (path, why it failed), seconds the writer took)."""
         with self._lock:
             self._send(message)
-        while True:
-            data = _receive(self.proc.stdout)
-            if data is None:
-                self.proc.wait()
-                raise WriterGone(self.ended)
-            kind, failure, seconds = pickle.loads(data)
-            if kind == "written":
-                return failure, seconds
+        data = _receive(self.proc.stdout)   # one result per write; nothing else comes back
+        if data is None:
+            self.proc.wait()
+            raise WriterGone(self.ended)
+        _, failure, seconds = pickle.loads(data)
+        return failure, seconds
 
     def _send(self, obj) -> None:
         """``obj`` (None: nothing) after the arenas forgotten since the last message; under ``_lock``."""
@@ -265,10 +271,7 @@ def serve(results_fd: int, preload: bool = False) -> None:
         if kind == "arena":
             _, arena, path, nbytes = message
             arenas[arena] = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).numpy()
-            try:
-                os.unlink(path)   # both processes have it mapped: the memory lives while either holds it
-            except FileNotFoundError:
-                pass
+            unlink(path)   # both processes have it mapped: the memory lives while either holds it
         elif kind == "forget":
             arenas.pop(message[1], None)
         elif kind == "write":
@@ -278,8 +281,7 @@ def serve(results_fd: int, preload: bool = False) -> None:
                     if os.getppid() != parent:   # the training process died: nobody will rename this save
                         return
                     path = w.path
-                    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                    w.fn(*w.args, **w.kwargs)
+                    w.run()
             except BaseException as exc:   # said by the trainer, at its next step
                 failure = (path, f"{type(exc).__name__}: {exc}")
             _send(results, ("written", failure, time.perf_counter() - t0))

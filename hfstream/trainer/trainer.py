@@ -123,8 +123,8 @@ class StreamTrainerMixin:
         self._save_in_flight = None
         self._staging_run_dir: str | None = None
         self._snapshot_buffers = None
-        self._snapshot_copied = None   # on an accelerator: the event after the last snapshot's copies, until waited
-        self._snapshot_reads_buffers = False   # and whether the next step may change what they copy before its optimizer step
+        self._snapshot_copied = None   # what ends the last snapshot's copies (a CUDA event, `HostCopies`), until waited
+        self._snapshot_waits_at_step_start = False   # the next step may change what they copy before its optimizer step
         self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
                            "write_s": 0.0, "drain_s": 0.0, "copy_wait_s": 0.0, "held_bytes": 0, "new_bytes": 0}
         self._save_exposed_logged = 0.0   # exposed_s already in a log line
@@ -383,7 +383,7 @@ class StreamTrainerMixin:
         try:
             step = self.state.global_step + 1
             self._watch(f"inside step {step} (forward, backward and the gradient reduction)")
-            if self._snapshot_reads_buffers:   # save_async: the step may change what is being copied
+            if self._snapshot_waits_at_step_start:   # save_async: the step may change what is being copied
                 self._wait_for_snapshot_copies()
             loss = self._synchronised(run, model, inputs, *args, **kwargs)
             if self.accelerator.sync_gradients:   # save_async: the optimizer step changes what was copied
@@ -545,7 +545,7 @@ class StreamTrainerMixin:
             return self._save_blocking(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        from .save_async import STAGING_DIR, AsyncSave, DeferredWrites
+        from .save_async import STAGING_DIR, AsyncSave, DeferredWrites, HostCopies
 
         self._settle_save(wait=True)
         self.callback_handler.__dict__.pop("on_save", None)   # a deferral left by a save no on_save followed
@@ -558,15 +558,14 @@ class StreamTrainerMixin:
         if not self._make_room_for_snapshot(staging):
             return self._save_blocking(model, trial)
         self._staging_run_dir = os.path.join(run_dir, STAGING_DIR)
-        if not on_device:   # the copies run beside the next forward and backward (`HostCopies`)
-            from .save_async import HostCopies
-
-            self._snapshot_buffers.copies = HostCopies()
+        # On CPU the copies are queued, to run beside the next forward and backward (`HostCopies`).
+        self._snapshot_buffers.copies = copies = None if on_device else HostCopies()
         try:
             with DeferredWrites(self._snapshot_buffers) as deferred:
                 super()._save_checkpoint(model, trial)
         finally:
             self._staging_run_dir = None
+            self._snapshot_buffers.copies = None
             taken = self._snapshot_buffers.drop_rest()
         if self.state.best_model_checkpoint == staging:   # stock named the folder it wrote: its final name
             self.state.best_model_checkpoint = final
@@ -580,9 +579,9 @@ class StreamTrainerMixin:
             event = streams.new_event(self.args.device)
             event.record(self._snapshot_buffers.stream)
         else:           # the copies begin on their thread now
-            event, self._snapshot_buffers.copies = self._snapshot_buffers.copies.start(), None
+            event = copies.start()
         self._snapshot_copied = event
-        self._snapshot_reads_buffers = self._step_may_change_weights(model)
+        self._snapshot_waits_at_step_start = self._step_may_change_weights(model)
         # Rotation waits for the rename, over the real run dir (the stock save named the staging one).
         rotations = [dict(kw, output_dir=run_dir, best_model_checkpoint=self.state.best_model_checkpoint)
                      for kw in deferred.rotations]
@@ -649,8 +648,9 @@ class StreamTrainerMixin:
             writer.release()
 
     def _wait_for_snapshot_copies(self) -> None:
-        """The training stream waits (the device, not the host) for the last snapshot's copies: next it may
-        change what they read."""
+        """The last snapshot's copies are waited for: next the step may change what they read. On an
+        accelerator the training stream waits (the device, not the host); on CPU the host waits for their
+        thread, and that time is the save's."""
         if self._snapshot_copied is not None:
             from .. import streams
             from .save_async import HostCopies
