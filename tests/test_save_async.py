@@ -652,3 +652,33 @@ def test_a_training_step_that_moves_the_weights_waits_for_the_copies_before_it_b
     _trainer(tmp_path / "blocking", cls=PerturbsWeights, max_steps=4).train()
     for step in (2, 4):
         _same_files(tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}")
+
+
+class ScriptArgs(StreamTrainingArguments):
+    """A TrainingArguments subclass as a user's script defines it: in __main__, which the writer does not import."""
+
+
+def test_an_arguments_class_from_the_script_leaves_only_training_args_bin_to_a_thread(tmp_path, monkeypatch):
+    import sys
+
+    import transformers.modeling_utils
+    import writer_faults
+
+    from hfstream.trainer import save_writer
+
+    monkeypatch.setattr(ScriptArgs, "__module__", "__main__")
+    monkeypatch.setattr(sys.modules["__main__"], "ScriptArgs", ScriptArgs, raising=False)
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", writer_faults.records_pid)
+    trainer = StreamTrainer(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(),
+                            args=train_args(ScriptArgs, tmp_path / "async", max_steps=4, **SAVE, save_async=True))
+    trainer.train()
+    assert _pids(tmp_path) == {save_writer.writer().proc.pid}   # the weights: the writer process, every save
+    said = [n for n in trainer._notes if "from a thread of the training process" in n]
+    assert len(said) == 1 and "(training_args.bin: NotShared: ScriptArgs is defined in the script" in said[0], said
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", writer_faults.save_file)
+    StreamTrainer(model=tiny_causal_lm("gpt2", seed=0), train_dataset=lm_dataset(),
+                  args=train_args(ScriptArgs, tmp_path / "blocking", max_steps=4, **SAVE)).train()
+    for step in (2, 4):   # training_args.bin too: the same class, written by the thread
+        a, b = tmp_path / "async" / f"checkpoint-{step}", tmp_path / "blocking" / f"checkpoint-{step}"
+        _same_files(a, b)
+        assert type(torch.load(a / "training_args.bin", weights_only=False)) is ScriptArgs

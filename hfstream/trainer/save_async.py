@@ -449,35 +449,52 @@ class AsyncSave:
         try:
             if self._event is not None:
                 self._event.synchronize()   # the host copies have landed
-            if self._by_writer():
-                return
-            for write in self.writes:
+            message, sent, kept = self._split()
+            for write in kept:              # this thread's share first: a failure is said as soon as it can be
                 path = write.path
                 write.run()
+            if message is not None and not self._by_writer(message):
+                for write in sent:          # the writer ended: the snapshot is still here
+                    path = write.path
+                    write.run()
         except BaseException as exc:   # said on the training thread, at the next step
             self.error = (path, f"{type(exc).__name__}: {exc}")
         finally:
             self.writes = []
             self.write_s = self.write_s or time.perf_counter() - t0
 
-    def _by_writer(self) -> bool:
-        """The writes sent to the writer process and waited for; False, with why in ``by_thread``, where
-        this thread must make them (the snapshot is still here)."""
-        from .save_writer import WriterGone
-
+    def _split(self) -> tuple[bytes | None, list[Write], list[Write]]:
+        """(the message for the writer process or None, the writes in it, the writes this thread makes),
+        with why in ``by_thread`` where this thread makes any."""
         if self.writer is None:
-            return False
+            return None, [], self.writes
         if not self.writer.alive:   # ended between saves
             self.by_thread = self.writer.ended
-            return False
+            return None, [], self.writes
         try:
-            message = self.writer.encode(self.writes)
-        except Exception as exc:   # a tensor outside the shared buffers, a function pickle cannot name
-            self.by_thread = f"{type(exc).__name__}: {exc}"
-            return False
+            return self.writer.encode(self.writes), self.writes, []
+        except Exception:   # a tensor outside the shared buffers, a function or class pickle cannot name
+            pass
+        sent, kept, why = [], [], None
+        for write in self.writes:
+            try:
+                self.writer.encode([write])
+                sent.append(write)
+            except Exception as exc:
+                kept.append(write)
+                why = why or f"{type(exc).__name__}: {exc}"
+        self.by_thread = (why if not sent else
+                          f"{', '.join(os.path.basename(w.path) for w in kept)}: {why}")
+        return (self.writer.encode(sent) if sent else None), sent, kept
+
+    def _by_writer(self, message: bytes) -> bool:
+        """The writes of ``message`` sent to the writer process and waited for; False, with why in
+        ``by_thread``, where it ended (killed mid-save, or never started)."""
+        from .save_writer import WriterGone
+
         try:
             self.error, self.write_s = self.writer.write(message)
-        except WriterGone as exc:   # it ended mid-save (killed), or never started
+        except WriterGone as exc:
             self.by_thread = str(exc)
             return False
         return True

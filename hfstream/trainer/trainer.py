@@ -770,9 +770,10 @@ class StreamTrainerMixin:
         by_thread = save.by_thread or (self._snapshot_buffers.unshared if save.writer is None else None)
         if by_thread and self.args.should_save:
             self._note(f"hfstream: save_async wrote from a thread of the training process, not its writer process "
-                       f"({by_thread}): the writes share this process's GIL, and the steps beside them run slower "
-                       f"(docs/benchmarks.md). Give /dev/shm room for one snapshot, and keep torch.save and "
-                       f"safetensors' save_file importable by name")
+                       f"({by_thread}): those writes share this process's GIL, and the steps beside them run slower "
+                       f"(docs/benchmarks.md). Give /dev/shm room for one snapshot, and keep torch.save, "
+                       f"safetensors' save_file and your TrainingArguments class importable by name (not from "
+                       f"the script itself)")
         renamed = None   # why the rename failed, on the saving rank
         if self.args.should_save:
             from transformers.trainer import rotate_checkpoints
