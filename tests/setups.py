@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import math
 import os
 import random
@@ -88,6 +89,7 @@ class Setup:
     init_per_rank: bool    # hfstream runs start from seed=rank weights: its broadcast must fix that
     declared_elementwise: bool   # "user-sgd-momentum" declares hfstream_elementwise = True: sharded shards it
                                  # (else refuses it, saying what to do)
+    save_async: bool = False     # hfstream runs save with save_async=True (where ``save``)
 
     def __repr__(self) -> str:
         parts = [f"seed={self.seed}", f"world={self.world}", self.family, self.dtype, f"accum={self.accum}"]
@@ -101,6 +103,7 @@ class Setup:
                   f"steps={self.steps}"]
         parts += ["init_per_rank"] if self.init_per_rank else []
         parts += ["declared_elementwise"] if self.declared_elementwise else []
+        parts += ["save_async"] if self.save_async else []
         return f"Setup({', '.join(parts)})"
 
     @property
@@ -139,6 +142,7 @@ def draw(seed: int) -> Setup:
     )
     # Drawn last, so that adding it left every earlier choice of every seed as it was.
     s["declared_elementwise"] = s["optim"] == "user-sgd-momentum" and rng.random() < 0.5
+    s["save_async"] = rng.random() < 0.5 and s["save"]
     # What does not combine: PEFT freezes the base itself; an accumulation of 1 syncs every batch anyway.
     if s["peft"] == "lora":
         s["freeze"] = "none"
@@ -489,7 +493,8 @@ def _arguments(setup: Setup, side: str, out_dir: str, ddp_timeout: int):
         kw.update(save_strategy="steps", save_steps=2, save_total_limit=1)
     if side == "stock":
         return TrainingArguments(**kw)
-    return StreamTrainingArguments(grad_sync=side, prefetch_depth=setup.prefetch, grad_bucket_mb=setup.bucket_mb, **kw)
+    return StreamTrainingArguments(grad_sync=side, prefetch_depth=setup.prefetch, grad_bucket_mb=setup.bucket_mb,
+                                   save_async=setup.save_async, **kw)
 
 
 # == one run ==========================================================================================
@@ -537,7 +542,7 @@ def run_side(setup: Setup, side: str, rank: int, out_dir: str, ddp_timeout: int 
         notes=list(getattr(trainer, "_notes", [])),
     )
     if setup.save and rank == 0:
-        out["checkpoint"] = _checkpoint_optimizer(out_dir)
+        out["checkpoint"] = _checkpoint(out_dir)
     return out
 
 
@@ -545,15 +550,30 @@ def _tensors(named) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in named if t.is_floating_point()}
 
 
-def _checkpoint_optimizer(out_dir: str) -> dict | None:
-    """The last checkpoint's optimizer.pt: its state tensors by (parameter index, key)."""
-    found = sorted(glob.glob(f"{out_dir}/checkpoint-*/optimizer.pt"), key=lambda p: int(p.split("-")[-1].split("/")[0]))
+def _checkpoint(out_dir: str) -> dict | None:
+    """The last checkpoint: its files' names, the tensors of its weights (``*.safetensors``) by name and its
+    optimizer.pt's state tensors by (parameter index, key); what else is in ``out_dir`` (a save's leftovers)."""
+    from safetensors.torch import load_file
+
+    from hfstream.trainer.report_file import REPORT_FILE
+
+    found = sorted(glob.glob(f"{out_dir}/checkpoint-*/"), key=lambda p: int(p.rstrip("/").split("-")[-1]))
     if not found:
         return None
-    state = torch.load(found[-1], weights_only=False)["state"]
-    return {"file": os.path.relpath(found[-1], out_dir),
+    last = found[-1]
+    optimizer = f"{last}optimizer.pt"
+    state = torch.load(optimizer, weights_only=False)["state"] if os.path.exists(optimizer) else {}
+    weights = {f"{name}:{k}": v.clone() for name in sorted(glob.glob(f"{last}*.safetensors"))
+               for k, v in load_file(name).items() if v.is_floating_point()}
+    return {"file": os.path.relpath(last, out_dir).rstrip("/"),
+            "files": sorted(f for f in os.listdir(last) if f != REPORT_FILE),   # hfstream's step report: its own
+            "dirs": sorted(d for d in os.listdir(out_dir) if d != "runs"),
+            "weights": {k.split("/")[-1]: v for k, v in weights.items()},
+            # Files the stock Trainer writes from state every rank's run shares exactly: byte for byte.
+            "exact": {os.path.basename(f): hashlib.sha256(open(f, "rb").read()).hexdigest()
+                      for f in sorted(glob.glob(f"{last}rng_state*.pth") + glob.glob(f"{last}scheduler.pt"))},
             "state": {(i, k): v.clone() for i, s in state.items() for k, v in s.items()
-                      if isinstance(v, torch.Tensor) and v.dim() > 0}}
+                      if isinstance(v, torch.Tensor)}}
 
 
 # == a spawn: runs in sequence, results to files =====================================================
@@ -812,14 +832,21 @@ def _compare_mode(setup, mode, stock, ranks, tol) -> list[Finding]:
 
 
 def _compare_checkpoint(got, ref, tol) -> tuple[float, str] | None:
-    """(size, detail) where the last checkpoint's optimizer.pt differs from stock's; None where it does not."""
+    """(size, detail) where the last checkpoint differs from stock's (its name, its files, what else the
+    output directory holds, its weights and optimizer state); None where it does not."""
     if got is None:
-        return math.nan, f"no optimizer.pt (stock wrote {ref['file']})"
-    if got["file"] != ref["file"]:
-        return math.nan, f"{got['file']}, stock {ref['file']}"
-    bad, size = _compare_tensors({str(k): v for k, v in got["state"].items()},
-                                 {str(k): v for k, v in ref["state"].items()}, None, tol)
-    return (size, f"{ref['file']}: {len(bad)} differ: {', '.join(bad[:4])}") if bad else None
+        return math.nan, f"no checkpoint (stock wrote {ref['file']})"
+    for key in ("file", "files", "dirs"):
+        if got[key] != ref[key]:
+            return math.nan, f"{key}: {got[key]}, stock {ref[key]}"
+    if got["exact"] != ref["exact"]:
+        return math.nan, f"{ref['file']}: other bytes than stock's in {sorted(set(got['exact'].items()) ^ set(ref['exact'].items()))[0][0]}"
+    for key in ("weights", "state"):
+        bad, size = _compare_tensors({str(k): v for k, v in got[key].items()},
+                                     {str(k): v for k, v in ref[key].items()}, None, tol)
+        if bad:
+            return size, f"{ref['file']} {key}: {len(bad)} differ: {', '.join(bad[:4])}"
+    return None
 
 
 def _short(values: list) -> str:
