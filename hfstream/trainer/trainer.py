@@ -637,11 +637,10 @@ class StreamTrainerMixin:
     def _release_snapshot_buffers(self) -> None:
         """save_async, at the end of train(): the snapshot's host memory (and the writer's map of it) is freed;
         what it held is kept for the report."""
-        buffers, self._snapshot_buffers = self._snapshot_buffers, None
-        if buffers is None:
+        if self._snapshot_buffers is None:
             return
-        self.save_times["held_bytes"] = buffers.held_bytes
-        self.save_times["new_bytes"] = buffers.new_bytes
+        self.save_times.update(self._snapshot_memory())
+        buffers, self._snapshot_buffers = self._snapshot_buffers, None
         writer = buffers.writer
         del buffers
         if writer is not None:
@@ -816,7 +815,15 @@ class StreamTrainerMixin:
                 "copy_wait_s": round(times["copy_wait_s"], 4),
                 # Host memory the snapshots held at the end (one snapshot, reused by every save), and what
                 # a save had to allocate itself (the rest was allocated behind the first steps).
-                "held_bytes": times["held_bytes"], "new_bytes": times["new_bytes"]}
+                **self._snapshot_memory()}
+
+    def _snapshot_memory(self) -> dict:
+        """The snapshot's host memory: the live buffers' while train() holds them (the report is gathered
+        before they are freed), else what they held when freed."""
+        buffers = self._snapshot_buffers
+        if buffers is None:
+            return {"held_bytes": self.save_times["held_bytes"], "new_bytes": self.save_times["new_bytes"]}
+        return {"held_bytes": buffers.held_bytes, "new_bytes": buffers.new_bytes}
 
     def _finalize_training(self, *args, **kwargs):
         waited = self.save_times["wait_s"]
