@@ -55,6 +55,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import streams
+from . import save_tags
 
 STAGING_DIR = ".hfstream-saving"   # under the run's output_dir: no ``checkpoint-N`` name until complete
 
@@ -112,7 +113,8 @@ class Write(NamedTuple):
     def run(self) -> None:
         """Make the file (its folder first), by whichever thread or process writes it."""
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        self.fn(*self.args, **self.kwargs)
+        with save_tags.writing():   # a storage copied from a device is tagged with it, as stock's file
+            self.fn(*self.args, **self.kwargs)
 
 
 class SnapshotBuffers:
@@ -326,6 +328,7 @@ def _host_tensor(t: torch.Tensor, memo: dict, buffers: SnapshotBuffers) -> torch
             with streams.use_stream(buffers.stream):
                 host.copy_(whole, non_blocking=True)
             streams.record_stream(whole, buffers.stream)
+        save_tags.remember(host, storage)
         memo[key] = host
     out = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.size(), t.stride())
     if isinstance(t, torch.nn.Parameter):

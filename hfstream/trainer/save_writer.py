@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from . import save_tags
+
 SHM_DIR = "/dev/shm"
 _HEADER = struct.Struct("<Q")   # each message: its length, then a pickle
 
@@ -120,7 +122,7 @@ class _RefPickler(pickle.Pickler):
         if place is None:
             raise NotShared(f"a tensor of {storage.nbytes()} bytes outside the shared buffers")
         return (_TENSOR, *place, obj.dtype, obj.storage_offset(), tuple(obj.size()), obj.stride(),
-                isinstance(obj, torch.nn.Parameter), obj.requires_grad)
+                isinstance(obj, torch.nn.Parameter), obj.requires_grad, save_tags.tag_of(storage.data_ptr()))
 
 
 class _RefUnpickler(pickle.Unpickler):
@@ -134,11 +136,12 @@ class _RefUnpickler(pickle.Unpickler):
     def persistent_load(self, pid):
         if pid[0] == _STR:
             return sys.intern(pid[1].decode("utf-8", "surrogatepass"))
-        _, arena, offset, nbytes, dtype, storage_offset, size, stride, parameter, requires_grad = pid
+        _, arena, offset, nbytes, dtype, storage_offset, size, stride, parameter, requires_grad, tag = pid
         storage = self.storages.get((arena, offset))
         if storage is None:
             buffer = torch.frombuffer(self.arenas[arena], dtype=torch.uint8, count=nbytes, offset=offset)
             storage = self.storages[(arena, offset)] = buffer.untyped_storage()
+            save_tags.set_tag(storage.data_ptr(), tag)
         t = torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
         return torch.nn.Parameter(t, requires_grad=requires_grad) if parameter else t
 
