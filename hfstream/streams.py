@@ -58,6 +58,15 @@ def _current_index(device_type: str) -> int:
     return int(torch.get_device_module(device_type).current_device())
 
 
+def bind_thread(device: DeviceLike) -> None:
+    """Make ``device`` this thread's current accelerator (nothing on CPU). A new thread starts on
+    device 0, and a CUDA call there (an event's wait, a registration) opens a context on device 0:
+    about half a GiB of another rank's GPU (torch's own pin-memory thread sets its device first)."""
+    dev = torch.device(device)
+    if is_accelerator(dev) and dev.index is not None:
+        torch.accelerator.set_device_index(dev.index)
+
+
 def is_accelerator(device: DeviceLike) -> bool:
     """True for a device with streams (CUDA, XPU, ...); False for CPU and meta."""
     return torch.device(device).type not in ("cpu", "meta")

@@ -34,8 +34,8 @@ a thread of their own makes the copies the same way (`HostCopies`). The save's t
 same event before it hands the bytes to the writer. On an accelerator the shared arenas are pinned
 in place (``cudaHostRegister``, as torch.distributed.checkpoint pins its shared staging memory).
 This path has not run on a GPU yet (`make gpu-check` runs it where one is lent). While a save is
-in flight every step boundary costs one small all-reduce (the ranks' "written" flags), a host
-read on an accelerator.
+in flight every step boundary costs one small all-reduce of the ranks' "written" flags, over a
+gloo group (no device wait).
 
 Sources: torch.distributed.checkpoint.async_save (snapshot to host, then write in the
 background; its process-based executor and shared, pinned staging memory), torchtitan's async
@@ -130,13 +130,16 @@ class SnapshotBuffers:
     ``unshared``), ordinary memory a thread of this process writes from.
 
     Args:
-        pin: pinned memory (the copies from an accelerator then do not make the host wait).
+        device: where training runs; on an accelerator the buffers are pinned (the copies from it then
+            do not make the host wait), allocated and registered by threads bound to it.
         stream: on an accelerator, the side stream the copies run on (None: the current stream).
         shared: in shared memory, for the writer process.
     """
 
-    def __init__(self, pin: bool = False, stream=None, shared: bool = False):
-        self.pin = pin
+    def __init__(self, device: torch.device | None = None, stream=None, shared: bool = False):
+        self.device = torch.device(device or "cpu")
+        self.pin = streams.is_accelerator(self.device)
+        self.unpinned: str | None = None                 # why the buffers could not be pinned (the copies then wait)
         self.stream = stream
         self.copies: HostCopies | None = None            # on CPU, where the snapshot's copies wait for their thread
         self.writer = None                               # the `WriterProcess` the arenas are shared with
@@ -151,6 +154,7 @@ class SnapshotBuffers:
         the first snapshot copies into memory the kernel has already mapped (a fresh copy pays a page
         fault per page, on the training thread). Sizes no snapshot takes are freed by its `drop_rest`."""
         def allocate(free=self._free):
+            streams.bind_thread(self.device)
             for buffer in self._allocate(sizes, touch=True):
                 free.setdefault(buffer.numel(), []).append(buffer)
 
@@ -237,15 +241,45 @@ class SnapshotBuffers:
                 except OSError as exc:
                     self.unshared = f"the writer process did not start ({exc})"
         if self.unshared is not None:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin).numpy(), None
+            return self._ordinary(nbytes), None
         path = os.path.join(save_writer.SHM_DIR, f"hfstream-snapshot-{os.getpid()}-{uuid.uuid4().hex}")
         flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8).numpy()
         weakref.finalize(flat, save_writer.unlink, path)   # the writer unlinks it once mapped; this, if it never did
-        if self.pin:   # pinned in place, as torch.distributed.checkpoint pins its shared staging memory
-            cudart, pointer = torch.cuda.cudart(), flat.ctypes.data
-            if int(cudart.cudaHostRegister(pointer, nbytes, 1)) == 0:
-                weakref.finalize(flat, cudart.cudaHostUnregister, pointer)
+        if self.pin:
+            self._register(flat)
         return flat, path
+
+    def _ordinary(self, nbytes: int):
+        """``nbytes`` of this process's memory, pinned by torch's allocator on an accelerator where it can."""
+        if self.pin and self.unpinned is None:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+            except RuntimeError as exc:   # a backend without pinned host memory (MPS), or none left
+                self.unpinned = f"pinned memory: {exc}"
+        return torch.empty(nbytes, dtype=torch.uint8).numpy()
+
+    def _register(self, flat) -> None:
+        """The shared arena ``flat`` pinned in place with CUDA (as torch.distributed.checkpoint pins its shared
+        staging memory), on a thread of its own bound to the device: a failed registration leaves its
+        error as that thread's last CUDA error, which the next kernel launch of the thread would raise,
+        and the thread ends with it. Other accelerators: the arena stays unpinned, said in ``unpinned``."""
+        if self.device.type != "cuda":
+            self.unpinned = f"{self.device.type}: shared memory is pinned for CUDA only"
+            return
+        cudart, pointer, result = torch.cuda.cudart(), flat.ctypes.data, []
+
+        def register():
+            streams.bind_thread(self.device)
+            result.append(int(cudart.cudaHostRegister(pointer, flat.nbytes, 1)))   # 1: cudaHostRegisterPortable
+
+        thread = threading.Thread(target=register, name="hfstream-pin", daemon=True)
+        thread.start()
+        thread.join()
+        if result != [0]:
+            self.unpinned = f"cudaHostRegister returned {result[0] if result else 'nothing'}"
+            return
+        done = weakref.finalize(flat, cudart.cudaHostUnregister, pointer)
+        done.atexit = False   # not after CUDA's own teardown at exit (torch's checkpoint stager does the same)
 
 
 class HostCopies:
@@ -317,7 +351,9 @@ def _host_tensor(t: torch.Tensor, memo: dict, buffers: SnapshotBuffers) -> torch
         host = buffers.take(whole.numel())
         if buffers.copies is not None and t.device.type == "cpu":   # training on CPU: copied beside the next step
             buffers.copies.add(host, whole)
-        elif buffers.stream is None or t.device.type == "cpu":   # a host tensor (an RNG state): copied now
+        elif buffers.stream is None or t.device != buffers.stream.device:
+            # A host tensor (an RNG state), or one on another device than the copy stream's (a model spread
+            # over devices: the stream's event would not cover its copy): copied now.
             host.copy_(whole)
         else:
             # On the side stream, after what the training stream queued before (the save's own copies
@@ -413,11 +449,13 @@ class AsyncSave:
             before the writer reads them.
         buffers: the host buffers the snapshot took (`SnapshotBuffers.drop_rest`), free again once written.
         writer: the `save_writer.WriterProcess` the buffers are shared with (None: a thread writes).
+        device: where training runs: the thread that waits for ``event`` is bound to it.
     """
 
     def __init__(self, writes: list[Write], staging_dir: str, final_dir: str, state: Any = None,
                  rotations: list[dict] | None = None, event=None, buffers: list[torch.Tensor] | None = None,
-                 writer=None):
+                 writer=None, device: torch.device | None = None):
+        self.device = torch.device(device or "cpu")
         self.staging_dir = staging_dir
         self.final_dir = final_dir
         self.state = state
@@ -450,6 +488,7 @@ class AsyncSave:
         t0 = time.perf_counter()
         path = self.staging_dir
         try:
+            streams.bind_thread(self.device)
             if self._event is not None:
                 self._event.synchronize()   # the host copies have landed
             message, sent, kept = self._split()

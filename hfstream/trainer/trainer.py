@@ -123,6 +123,7 @@ class StreamTrainerMixin:
         self._save_in_flight = None
         self._staging_run_dir: str | None = None
         self._snapshot_buffers = None
+        self._save_group = None           # save_async: the gloo group its flags are OR-ed over (world > 1)
         self._snapshot_copied = None   # what ends the last snapshot's copies (a CUDA event, `HostCopies`), until waited
         self._snapshot_waits_at_step_start = False   # the next step may change what they copy before its optimizer step
         self.save_times = {"saves": 0, "exposed_s": 0.0, "snapshot_s": 0.0, "wait_s": 0.0, "commit_s": 0.0,
@@ -587,7 +588,7 @@ class StreamTrainerMixin:
                      for kw in deferred.rotations]
         self._save_in_flight = AsyncSave(deferred.writes, staging, final, state=copy.deepcopy(self.state),
                                          rotations=rotations, event=event, buffers=taken,
-                                         writer=self._snapshot_buffers.writer).start()
+                                         writer=self._snapshot_buffers.writer, device=self.args.device).start()
         self.save_times["saves"] += 1
         self.save_times["snapshot_s"] += time.perf_counter() - t0
         self.save_times["exposed_s"] += time.perf_counter() - t0
@@ -600,11 +601,13 @@ class StreamTrainerMixin:
             from .. import streams
             from .save_async import SnapshotBuffers
 
-            on_device = self.args.device.type != "cpu"
+            device = self.args.device
             # The writer process serves the rank that saves the model; another rank's files (its RNG
-            # state, a few KiB) are written sooner by a thread than a process could start.
-            self._snapshot_buffers = SnapshotBuffers(pin=on_device, shared=self.args.should_save,
-                                                     stream=streams.new_stream(self.args.device) if on_device else None)
+            # state, a few KiB) are written sooner by a thread than a process could start. Without
+            # side streams (Apple's MPS) the copies run on the training stream.
+            stream = streams.new_stream(device) if streams.is_accelerator(device) and streams.has_side_streams(device) \
+                else None
+            self._snapshot_buffers = SnapshotBuffers(device=device, shared=self.args.should_save, stream=stream)
 
     def _prepare_snapshot_buffers(self) -> None:
         """save_async, after the first optimizer step (its state exists now): the saving rank allocates the
@@ -677,22 +680,39 @@ class StreamTrainerMixin:
 
         available = available_host_bytes()
         short = available is not None and needed > available
-        short_anywhere = short
-        if self.args.world_size > 1:
-            import torch.distributed as dist
-
-            from ..gradsync.agreement import any_rank
-
-            (short_anywhere,) = any_rank([short], dist.group.WORLD, self.args.device)
+        (short_anywhere,) = self._save_flags([short])
         if not short_anywhere:
             return None
         return (f"save_async=True: {what} needs {needed} bytes ({needed / 2**30:.2f} GiB) of host memory, {available} "
                 f"available here" if short else
                 f"save_async=True: {what} does not fit another rank's host memory (its message gives the bytes)")
 
+    def _save_flags(self, flags: list[bool]) -> list[bool]:
+        """save_async's flags (short of memory, written, failed) OR-ed over the ranks, at a point every rank
+        reaches: over a gloo group (`_check_snapshot_memory_at_start` makes it), so a step boundary with
+        a save in flight makes no rank wait for its device, as a flag on an NCCL group would (a host copy
+        in, a host read out)."""
+        if self.args.world_size == 1:
+            return [bool(f) for f in flags]
+        import torch.distributed as dist
+
+        from ..gradsync.agreement import any_rank
+
+        if self._save_group is None:   # a save outside train(): the default group, on its device
+            return any_rank(flags, dist.group.WORLD, self.args.device)
+        return any_rank(flags, self._save_group, torch.device("cpu"))
+
     def _check_snapshot_memory_at_start(self) -> None:
         """save_async: refused before training where not even the model's state fits in host memory."""
-        if not self.args.save_async or self.args.save_strategy == "no":
+        if not self.args.save_async:
+            return
+        if self.args.world_size > 1 and self._save_group is None:   # every rank, from the arguments they share
+            import torch.distributed as dist
+
+            from ..gradsync.sharded.collectives import host_group
+
+            self._save_group = host_group(dist.group.WORLD, self._note)
+        if self.args.save_strategy == "no":
             return
         from .save_async import snapshot_bytes
 
@@ -751,12 +771,7 @@ class StreamTrainerMixin:
             self.save_times["exposed_s"] += waited
         t0 = time.perf_counter()
         pending, failed = save.done is False, save.error is not None
-        import torch.distributed as dist
-
-        from ..gradsync.agreement import any_rank
-
-        if self.args.world_size > 1:   # every rank here, in step order: one small all-reduce
-            pending, failed = any_rank([pending, failed], dist.group.WORLD, self.args.device)
+        pending, failed = self._save_flags([pending, failed])   # every rank here, in step order
         if failed:
             self._save_in_flight = None
             raise RuntimeError(save.failure() if save.error is not None else
@@ -773,6 +788,10 @@ class StreamTrainerMixin:
                        f"(docs/benchmarks.md). Give /dev/shm room for one snapshot, and keep torch.save, "
                        f"safetensors' save_file and your TrainingArguments class importable by name (not from "
                        f"the script itself)")
+        if self._snapshot_buffers.unpinned:
+            self._note(f"hfstream: save_async's snapshot buffers are not pinned ({self._snapshot_buffers.unpinned}): "
+                       f"each copy from {self.args.device} makes the training thread wait for it, so a save costs "
+                       f"the steps the copy's time (the report's save exposed_s says how much)")
         renamed = None   # why the rename failed, on the saving rank
         if self.args.should_save:
             from transformers.trainer import rotate_checkpoints
@@ -784,9 +803,8 @@ class StreamTrainerMixin:
             else:
                 for kwargs in save.rotations:
                     rotate_checkpoints(**kwargs)
-        failed = renamed is not None
-        if self.args.world_size > 1:   # the others must not go on into a collective the saving rank never joins
-            (failed,) = any_rank([failed], dist.group.WORLD, self.args.device)
+        # The others must not go on into a collective the saving rank never joins.
+        (failed,) = self._save_flags([renamed is not None])
         if failed:
             raise RuntimeError(f"save_async: renaming {save.staging_dir!r} to {save.final_dir!r} failed "
                                f"({renamed or 'on the saving rank; its error says why'}); its files are complete "
