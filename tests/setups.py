@@ -90,6 +90,9 @@ class Setup:
     declared_elementwise: bool   # "user-sgd-momentum" declares hfstream_elementwise = True: sharded shards it
                                  # (else refuses it, saying what to do)
     save_async: bool = False     # hfstream runs save with save_async=True (where ``save``)
+    masked: bool = False         # labels -100 on a random prefix of each sample (a prompt not scored): the
+                                 # ranks' token counts differ (num_items_in_batch, average_tokens_across_devices)
+    grad_ckpt: bool = False      # gradient_checkpointing=True (the transformers families): a forward again in backward
 
     def __repr__(self) -> str:
         parts = [f"seed={self.seed}", f"world={self.world}", self.family, self.dtype, f"accum={self.accum}"]
@@ -104,6 +107,8 @@ class Setup:
         parts += ["init_per_rank"] if self.init_per_rank else []
         parts += ["declared_elementwise"] if self.declared_elementwise else []
         parts += ["save_async"] if self.save_async else []
+        parts += ["masked"] if self.masked else []
+        parts += ["grad_ckpt"] if self.grad_ckpt else []
         return f"Setup({', '.join(parts)})"
 
     @property
@@ -143,6 +148,8 @@ def draw(seed: int) -> Setup:
     # Drawn last, so that adding it left every earlier choice of every seed as it was.
     s["declared_elementwise"] = s["optim"] == "user-sgd-momentum" and rng.random() < 0.5
     s["save_async"] = rng.random() < 0.5 and s["save"]
+    s["masked"] = rng.random() < 0.3 and s["family"] in CAUSAL
+    s["grad_ckpt"] = rng.random() < 0.2 and s["family"] not in ("bn-mlp", "moe-experts")
     # What does not combine: PEFT freezes the base itself; an accumulation of 1 syncs every batch anyway.
     if s["peft"] == "lora":
         s["freeze"] = "none"
@@ -353,6 +360,9 @@ def datasets_for(setup: Setup):
     make = lm_dataset if setup.family in CAUSAL else cls_dataset
     # The random ids include T5's and BART's special tokens (0-2): harmless for a loss; no setup generates.
     train = make(n=setup.samples, seq=setup.seq, vocab=VOCAB, seed=1)
+    if setup.masked:   # the first `cut` labels of each sample not scored; its last always is
+        cuts = torch.randint(0, setup.seq - 1, (setup.samples,), generator=torch.Generator().manual_seed(3)).tolist()
+        train = train.map(lambda row, i: {"labels": [-100] * cuts[i] + row["labels"][cuts[i]:]}, with_indices=True)
     evals = make(n=8, seq=setup.seq, vocab=VOCAB, seed=5) if setup.eval else None
     return train, evals
 
@@ -491,6 +501,8 @@ def _arguments(setup: Setup, side: str, out_dir: str, ddp_timeout: int):
         kw.update(eval_strategy="steps", eval_steps=2)
     if setup.save:
         kw.update(save_strategy="steps", save_steps=2, save_total_limit=1)
+    if setup.grad_ckpt:
+        kw["gradient_checkpointing"] = True
     if side == "stock":
         return TrainingArguments(**kw)
     return StreamTrainingArguments(grad_sync=side, prefetch_depth=setup.prefetch, grad_bucket_mb=setup.bucket_mb,
