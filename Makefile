@@ -56,7 +56,7 @@ test-compat:
 	OMP_NUM_THREADS=1 $(COMPAT_PY) -m pytest $(COMPAT_TESTS)
 
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m dev.gpu_check --json runs/gpu_check.json $(GPU_CHECK_ARGS)
+	PYTHONPATH=. $(PYTHON) -m dev.gpu_check --json $${OUT:-runs}/gpu_check.json $(GPU_CHECK_ARGS)
 
 gpu-check-here: gpu-check
 

@@ -54,6 +54,17 @@ def test_without_a_gpu_it_skips_in_one_line_with_exit_code_0(tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU this would run the whole check")
+def test_a_run_that_requires_a_gpu_and_finds_none_fails_and_says_why_in_the_json(tmp_path):
+    # A machine lent for the check whose GPU torch cannot use must not look like a clean skip.
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, "-m", "dev.gpu_check", "--require-gpu", "--json", str(out)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert "no CUDA GPU" in doc["header"]["no_gpu"] and doc["parts"] == []
+
+
 def _imported_modules(path: Path) -> set[str]:
     """Every module a file of the package imports, at the top or inside a function, as absolute names."""
     names = set()
@@ -157,6 +168,9 @@ def test_overall_status():
     assert overall_status([{"status": "pass"}, {"status": "skip"}]) == "pass"
     assert overall_status([{"status": "pass"}, {"status": "fail"}]) == "fail"
     assert overall_status([{"status": "skip"}]) == "skip"
+    # A part that should have run and did not (no time left, no pytest on the GPU machine): never a pass.
+    assert overall_status([{"status": "pass"}, {"status": "skip", "incomplete": True}]) == "incomplete"
+    assert overall_status([{"status": "fail"}, {"status": "skip", "incomplete": True}]) == "fail"
 
 
 # -- running the parts: failures recorded, time boxes, the budget ------------------------------
@@ -172,8 +186,12 @@ def test_run_all_records_each_failure_and_runs_the_rest():
             return {"status": "fail", "failed": ["batches differ"]}
         return {"status": "pass", "summary": [name]}
 
-    results = run_all(list(PARTS), runner, budget_s=10_000, quick=False)
+    seen = []
+    results = run_all(list(PARTS), runner, budget_s=10_000, quick=False,
+                      on_result=lambda so_far: seen.append([r["name"] for r in so_far]))
     assert [n for n, _ in ran] == list(RUN_ORDER)              # every part ran, the gpu tests last
+    # After each part, what is done so far (the JSON is written there: a run killed later keeps it).
+    assert [len(names) for names in seen] == list(range(1, len(PARTS) + 1)) and seen[0] == [RUN_ORDER[0]]
     assert [r["name"] for r in results] == list(PARTS)         # the table keeps the numbering
     by = {r["name"]: r for r in results}
     assert by["gradsync"]["status"] == "fail" and "the runner broke" in by["gradsync"]["failed"][0]
@@ -202,7 +220,8 @@ def test_run_all_holds_the_whole_run_to_the_budget(overhead):
         assert boxes["trainer"] >= MIN_PART_S
     else:                    # parts that overran leave no time: the rest are skipped, said so
         skipped = [r for r in results if r["status"] == "skip"]
-        assert skipped and all("budget" in r["summary"][0] for r in skipped)
+        assert skipped and all("budget" in r["summary"][0] and r["incomplete"] for r in skipped)
+        assert overall_status(results) == "incomplete"
         assert now[0] <= budget + overhead * (len(results) - len(skipped))
 
 
@@ -280,6 +299,7 @@ def test_pytest_part_verdicts(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pytest" else real_find_spec(name, *a))
     missing = pytest_part(100, True, runner=_canned("unused"))
     assert missing["status"] == "skip" and "pytest is not installed" in missing["summary"][0]
+    assert missing["incomplete"] and not pytest_part(100, False, runner=_canned("unused"))["incomplete"]
 
 
 # -- the sync recorder's bookkeeping (the CUDA switch faked) ---------------------------------
@@ -323,9 +343,17 @@ def test_checks_pass_only_when_every_check_holds():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_cpu_dry_run_of_every_part(tmp_path):
+    # As on the GPU machine's image: no datasets, peft, trl, hypothesis or pytest (blocked in every process
+    # the run starts, by a sitecustomize on its path), so a lazy import of one of them fails here too.
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        "import sys\nfor name in ('datasets', 'peft', 'trl', 'hypothesis', 'pytest'):\n    sys.modules[name] = None\n")
+    env = _env()
+    env["PYTHONPATH"] = os.pathsep.join([str(block), env.get("PYTHONPATH", "")])
     out = tmp_path / "dry.json"
     proc = subprocess.run([sys.executable, "-m", "dev.gpu_check", "--on-cpu", "--quick", "--json", str(out)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert doc["header"]["mode"].startswith("cpu dry run")

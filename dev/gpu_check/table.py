@@ -45,8 +45,12 @@ def format_table(header: dict, results: list[dict], width: int = 118) -> str:
 
 
 def overall_status(results: list[dict]) -> str:
+    """fail: a part failed; incomplete: a part that should have run did not (no time left, no pytest on a
+    GPU machine), so nothing may say pass; else pass where any part passed."""
     if any(r.get("status") == "fail" for r in results):
         return "fail"
+    if any(r.get("incomplete") for r in results):
+        return "incomplete"
     return "pass" if any(r.get("status") == "pass" for r in results) else "skip"
 
 
