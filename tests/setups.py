@@ -93,6 +93,8 @@ class Setup:
     masked: bool = False         # labels -100 on a random prefix of each sample (a prompt not scored): the
                                  # ranks' token counts differ (num_items_in_batch, average_tokens_across_devices)
     grad_ckpt: bool = False      # gradient_checkpointing=True (the transformers families): a forward again in backward
+    resume: bool = False         # (where ``save``) then a new trainer resumes from the last checkpoint its side wrote
+                                 # (resume_from_checkpoint=True) and trains 2 steps more: what is compared
 
     def __repr__(self) -> str:
         parts = [f"seed={self.seed}", f"world={self.world}", self.family, self.dtype, f"accum={self.accum}"]
@@ -109,6 +111,7 @@ class Setup:
         parts += ["save_async"] if self.save_async else []
         parts += ["masked"] if self.masked else []
         parts += ["grad_ckpt"] if self.grad_ckpt else []
+        parts += ["resume"] if self.resume else []
         return f"Setup({', '.join(parts)})"
 
     @property
@@ -150,6 +153,7 @@ def draw(seed: int) -> Setup:
     s["save_async"] = rng.random() < 0.5 and s["save"]
     s["masked"] = rng.random() < 0.3 and s["family"] in CAUSAL
     s["grad_ckpt"] = rng.random() < 0.2 and s["family"] not in ("bn-mlp", "moe-experts")
+    s["resume"] = rng.random() < 0.5 and s["save"]
     # What does not combine: PEFT freezes the base itself; an accumulation of 1 syncs every batch anyway.
     if s["peft"] == "lora":
         s["freeze"] = "none"
@@ -480,12 +484,12 @@ def _learning_rate(setup: Setup) -> float:
     return 0.05 if setup.optim in ("sgd", "user-sgd-momentum") else 1e-3
 
 
-def _arguments(setup: Setup, side: str, out_dir: str, ddp_timeout: int):
+def _arguments(setup: Setup, side: str, out_dir: str, ddp_timeout: int, steps: int | None = None):
     from transformers import TrainingArguments
 
     from hfstream import StreamTrainingArguments
 
-    kw = dict(output_dir=out_dir, max_steps=setup.steps, per_device_train_batch_size=setup.batch,
+    kw = dict(output_dir=out_dir, max_steps=steps or setup.steps, per_device_train_batch_size=setup.batch,
               per_device_eval_batch_size=4, learning_rate=_learning_rate(setup), logging_steps=1, report_to=[],
               seed=0, use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, lr_scheduler_type="constant",
               gradient_accumulation_steps=setup.accum, max_grad_norm=setup.clip, weight_decay=0.01,
@@ -518,27 +522,37 @@ def run_side(setup: Setup, side: str, rank: int, out_dir: str, ddp_timeout: int 
 
     stock = side == "stock"
     seed = rank if (setup.init_per_rank and not stock) else 0
+    train, evals = datasets_for(setup)
+    cls = _trainer_class(setup, Trainer if stock else StreamTrainer)
+
+    def trainer_for(model, steps=None):
+        extra = {}
+        if setup.optim == "user-sgd-momentum":   # over every parameter, frozen ones too (a later unfreeze trains them)
+            optimizer = ElementwiseSGDMomentum if setup.declared_elementwise else SGDMomentum
+            extra["optimizers"] = (optimizer(model.parameters(), lr=_learning_rate(setup)), None)
+        if setup.optim == "adafactor":
+            from transformers import Adafactor
+
+            extra["optimizer_cls_and_kwargs"] = (Adafactor, dict(lr=_learning_rate(setup), scale_parameter=False,
+                                                                 relative_step=False, eps=(ADAM_EPS ** 2, 1e-3)))
+        callbacks = _callbacks_for(setup, rank)
+        trainer = cls(model=model, args=_arguments(setup, side, out_dir, ddp_timeout, steps), train_dataset=train,
+                      eval_dataset=evals, callbacks=callbacks, **extra)
+        trainer.remove_callback(PrinterCallback)   # the console's copy of every log: noise in a test's output
+        trainer.seen = []
+        return trainer, callbacks
+
     model = model_for(setup, seed)
     # Where the stock run starts: what a tensor's move (`tolerance`) is measured from.
     initial = _tensors(model.named_parameters()) if stock else None
     initial_buffers = _tensors(model.named_buffers()) if stock else None
-    args = _arguments(setup, side, out_dir, ddp_timeout)
-    train, evals = datasets_for(setup)
-    cls = _trainer_class(setup, Trainer if stock else StreamTrainer)
-    extra = {}
-    if setup.optim == "user-sgd-momentum":   # over every parameter, frozen ones too (a later unfreeze trains them)
-        optimizer = ElementwiseSGDMomentum if setup.declared_elementwise else SGDMomentum
-        extra["optimizers"] = (optimizer(model.parameters(), lr=_learning_rate(setup)), None)
-    if setup.optim == "adafactor":
-        from transformers import Adafactor
-
-        extra["optimizer_cls_and_kwargs"] = (Adafactor, dict(lr=_learning_rate(setup), scale_parameter=False,
-                                                             relative_step=False, eps=(ADAM_EPS ** 2, 1e-3)))
-    callbacks = _callbacks_for(setup, rank)
-    trainer = cls(model=model, args=args, train_dataset=train, eval_dataset=evals, callbacks=callbacks, **extra)
-    trainer.remove_callback(PrinterCallback)   # the console's copy of every log: noise in a test's output
-    trainer.seen = []
+    trainer, callbacks = trainer_for(model)
     trainer.train()
+    if setup.resume:   # as a new process starts: a fresh model (from other weights: only the checkpoint may
+        # make the run go on where it stopped; resumed, it ends where an uninterrupted run does), its side's
+        # own last checkpoint
+        trainer, callbacks = trainer_for(model_for(setup, seed + 1000), steps=setup.steps + 2)
+        trainer.train(resume_from_checkpoint=True)
     history = trainer.state.log_history
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     out = dict(
