@@ -106,3 +106,37 @@ def test_a_scalar_parameters_step_stays_a_per_parameter_count_in_the_whole_state
             for k, v in s.items():
                 assert whole["state"][pid][k].shape == v.shape, (pid, k)
                 torch.testing.assert_close(whole["state"][pid][k], v, rtol=1e-6, atol=1e-7, msg=f"{pid} {k}")
+
+
+def _frozen_state_round_trip(rank, world_size):
+    # A stock checkpoint (an optimizer over every parameter) with state for a layer frozen when the run
+    # resumes: the unsharded optimizer keeps that state and writes it into its next checkpoint.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    whole = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 8)).sum().backward()
+    whole.step()
+    saved = copy.deepcopy(whole.state_dict())
+    model.zero_grad(set_to_none=True)
+    model[0].requires_grad_(False)
+    sync = GradSync(model, mode="sharded", bucket_mb=0)
+    opt = sync.shard_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    try:
+        opt.load_state_dict(saved)
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+        sync.finish()
+        opt.step()
+        sync.wait_for_params()
+        return saved, sync.optimizer_state_dict(keep=True)
+    finally:
+        sync.close()
+
+
+@pytest.mark.multiprocess
+def test_the_state_of_a_parameter_frozen_at_resume_is_kept_into_the_next_checkpoint(run_distributed):
+    for saved, after in run_distributed(_frozen_state_round_trip, 2, timeout=90):
+        assert sorted(after["state"]) == sorted(saved["state"]) == [0, 1, 2, 3]
+        for pid in (0, 1):   # the frozen layer's: as loaded
+            assert torch.equal(after["state"][pid]["momentum_buffer"], saved["state"][pid]["momentum_buffer"])
+        assert not torch.equal(after["state"][2]["momentum_buffer"], saved["state"][2]["momentum_buffer"])
+        assert after["param_groups"][0]["params"] == saved["param_groups"][0]["params"]

@@ -36,6 +36,11 @@ LOCAL_KEY = "hfstream_shard"   # marks a local (sharded) state dict with the lay
 _ORIGINAL: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[list[torch.Tensor]]]" = weakref.WeakKeyDictionary()
 
 
+# The state a loaded whole form held for parameters no bucket holds (frozen when the optimizer was sharded):
+# kept as loaded, and written back by `optimizer_state_dict`, as the unsharded optimizer keeps it.
+_KEPT: "weakref.WeakKeyDictionary[torch.optim.Optimizer, dict[int, dict]]" = weakref.WeakKeyDictionary()
+
+
 def remember_groups(optimizer) -> None:
     _ORIGINAL[optimizer] = [list(group["params"]) for group in optimizer.param_groups]
 
@@ -249,12 +254,16 @@ def optimizer_state_dict(optimizer, states, group, world_size: int, keep: bool =
             whole.update(bucket)
     if not keep:
         return None
+    kept = _KEPT.get(optimizer, {})
     state, groups, pid = {}, [], 0
     for group_, params in zip(optimizer.param_groups, _ORIGINAL[optimizer]):
         ids = []
         for p in params:
             if id(p) in whole:
                 state[pid] = whole[id(p)]
+            elif id(p) in kept:
+                state[pid] = {k: (v.to(device) if device and torch.is_tensor(v) else v)
+                              for k, v in kept[id(p)].items()}
             ids.append(pid)
             pid += 1
         groups.append({**{k: v for k, v in group_.items() if k != "params"}, "params": ids})
@@ -307,6 +316,8 @@ def whole_to_local(optimizer, state_dict: dict, states, now: dict) -> dict:
                 raise ValueError(f"optimizer state {k!r} of parameter {pid} has {v.numel()} elements, the parameter "
                                  f"{p.numel()}: the state dict was saved for another model")
         whole[id(p)] = s
+    sharded = {id(st.params[pc.slot]) for st in states for pc in st.shard.pieces}
+    _KEPT[optimizer] = {i: s for i, s in whole.items() if i not in sharded}
     state, groups, idx = {}, [], 0
     for g, group in enumerate(optimizer.param_groups):
         ids = []
