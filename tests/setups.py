@@ -548,6 +548,7 @@ def run_side(setup: Setup, side: str, rank: int, out_dir: str, ddp_timeout: int 
     initial_buffers = _tensors(model.named_buffers()) if stock else None
     trainer, callbacks = trainer_for(model)
     trainer.train()
+    first = _digest(trainer.accelerator.unwrap_model(trainer.model))   # where the run stopped, before a resume
     if setup.resume:   # as a new process starts: a fresh model (from other weights: only the checkpoint may
         # make the run go on where it stopped; resumed, it ends where an uninterrupted run does), its side's
         # own last checkpoint
@@ -566,10 +567,20 @@ def run_side(setup: Setup, side: str, rank: int, out_dir: str, ddp_timeout: int 
         initial_buffers=initial_buffers,
         reads=list(trainer.seen) + [v for cb in callbacks for v in getattr(cb, "seen", [])],
         notes=list(getattr(trainer, "_notes", [])),
+        first=first,
     )
     if setup.save and rank == 0:
         out["checkpoint"] = _checkpoint(out_dir)
     return out
+
+
+def _digest(model) -> str:
+    """The parameters' bytes, hashed: whether two ranks' replicas are the same."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        h.update(name.encode())
+        h.update(p.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def _tensors(named) -> dict[str, torch.Tensor]:
@@ -824,8 +835,11 @@ def _compare_mode(setup, mode, stock, ranks, tol) -> list[Finding]:
         worst[kind] = (size, f"rank {rank}: {detail}", ranks_seen) if old is None or size > old[0] \
             else (old[0], old[1], ranks_seen)
 
+    # The stock run's replicas differ at its end, or did where it stopped before a resume (each rank's
+    # checkpoint was rank 0's: they agree again, but from a point only stock's DDP reached).
     diverging = setup.stock_replicas_may_differ and not all(
-        all(torch.equal(v, r["params"][k]) for k, v in stock[0]["params"].items()) for r in stock[1:])
+        all(torch.equal(v, r["params"][k]) for k, v in stock[0]["params"].items()) and r["first"] == stock[0]["first"]
+        for r in stock[1:])
     for rank, (got, ref) in enumerate(zip(ranks, stock)):
         if got["steps"] != ref["steps"]:
             found("steps", rank, math.nan, f"{got['steps']} steps, stock {ref['steps']}")
