@@ -95,6 +95,8 @@ class Setup:
     grad_ckpt: bool = False      # gradient_checkpointing=True (the transformers families): a forward again in backward
     resume: bool = False         # (where ``save``) then a new trainer resumes from the last checkpoint its side wrote
                                  # (resume_from_checkpoint=True) and trains 2 steps more: what is compared
+    tokens_seen: bool = False    # include_num_input_tokens_seen: the stock loop gathers a count over WORLD each micro-batch
+    smoothing: bool = False      # label_smoothing_factor=0.1 (the transformers families): the Trainer computes the loss
 
     def __repr__(self) -> str:
         parts = [f"seed={self.seed}", f"world={self.world}", self.family, self.dtype, f"accum={self.accum}"]
@@ -112,6 +114,8 @@ class Setup:
         parts += ["masked"] if self.masked else []
         parts += ["grad_ckpt"] if self.grad_ckpt else []
         parts += ["resume"] if self.resume else []
+        parts += ["tokens_seen"] if self.tokens_seen else []
+        parts += ["smoothing"] if self.smoothing else []
         return f"Setup({', '.join(parts)})"
 
     @property
@@ -154,6 +158,8 @@ def draw(seed: int) -> Setup:
     s["masked"] = rng.random() < 0.3 and s["family"] in CAUSAL
     s["grad_ckpt"] = rng.random() < 0.2 and s["family"] not in ("bn-mlp", "moe-experts")
     s["resume"] = rng.random() < 0.5 and s["save"]
+    s["tokens_seen"] = rng.random() < 0.2
+    s["smoothing"] = rng.random() < 0.15 and s["family"] not in ("bn-mlp", "moe-experts")
     # What does not combine: PEFT freezes the base itself; an accumulation of 1 syncs every batch anyway.
     if s["peft"] == "lora":
         s["freeze"] = "none"
@@ -507,6 +513,10 @@ def _arguments(setup: Setup, side: str, out_dir: str, ddp_timeout: int, steps: i
         kw.update(save_strategy="steps", save_steps=2, save_total_limit=1)
     if setup.grad_ckpt:
         kw["gradient_checkpointing"] = True
+    if setup.tokens_seen:
+        kw["include_num_input_tokens_seen"] = "all"
+    if setup.smoothing:
+        kw["label_smoothing_factor"] = 0.1
     if side == "stock":
         return TrainingArguments(**kw)
     return StreamTrainingArguments(grad_sync=side, prefetch_depth=setup.prefetch, grad_bucket_mb=setup.bucket_mb,
@@ -558,6 +568,7 @@ def run_side(setup: Setup, side: str, rank: int, out_dir: str, ddp_timeout: int 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model)
     out = dict(
         steps=trainer.state.global_step,
+        tokens_seen=trainer.state.num_input_tokens_seen,
         losses=[h["loss"] for h in history if "loss" in h],
         grad_norms=[h["grad_norm"] for h in history if "grad_norm" in h],
         eval_losses=[h["eval_loss"] for h in history if "eval_loss" in h],
@@ -730,7 +741,7 @@ class Finding:
 
     setup: Setup
     mode: str
-    kind: str        # "raised", "hang", "steps", "losses", "grad_norms", "eval_losses", "reads", "params",
+    kind: str        # "raised", "hang", "steps", "tokens_seen", "losses", "grad_norms", "eval_losses", "reads", "params",
                      # "buffers", "replicas", "checkpoint", "refused" (a clear refusal: counted apart)
     detail: str
     size: float = math.nan   # the largest absolute difference, where there is one
@@ -844,6 +855,8 @@ def _compare_mode(setup, mode, stock, ranks, tol) -> list[Finding]:
         if got["steps"] != ref["steps"]:
             found("steps", rank, math.nan, f"{got['steps']} steps, stock {ref['steps']}")
             continue
+        if got["tokens_seen"] != ref["tokens_seen"]:
+            found("tokens_seen", rank, math.nan, f"{got['tokens_seen']} input tokens seen, stock {ref['tokens_seen']}")
         for key in ("losses", "grad_norms", "eval_losses", "reads"):
             if not _close(got[key], ref[key], tol):
                 size = (_max_diff(torch.tensor(got[key]), torch.tensor(ref[key]))

@@ -71,7 +71,8 @@ def test_the_slow_budget_draws_every_choice_of_the_space():
              "sync_each_batch": (False, True), "clip": (0.0, 1.0), "optim": setups.OPTIMS, "freeze": setups.FREEZING,
              "peft": ("none", "lora"), "callback": setups.CALLBACKS, "step": setups.STEPS, "eval": (False, True),
              "save": (False, True), "save_async": (False, True), "masked": (False, True),
-             "grad_ckpt": (False, True), "resume": (False, True), "prefetch": (0, 2), "bucket_mb": ("auto", "0.001", "inf")}
+             "grad_ckpt": (False, True), "resume": (False, True), "tokens_seen": (False, True),
+             "smoothing": (False, True), "prefetch": (0, 2), "bucket_mb": ("auto", "0.001", "inf")}
     for field, values in space.items():
         missing = set(values) - {getattr(s, field) for s in drawn}
         assert not missing, f"no setup of the budgets has {field} in {sorted(missing, key=str)}"
