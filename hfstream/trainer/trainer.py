@@ -149,9 +149,17 @@ class StreamTrainerMixin:
 
             from .checkpoint import check_checkpoint
 
-            path = (get_last_checkpoint(self.args.output_dir) if resume_from_checkpoint is True
-                    else resume_from_checkpoint)
-            if path is not None and os.path.isdir(path):   # a missing one gets the Trainer's own message
+            path = resume_from_checkpoint
+            if resume_from_checkpoint is True:
+                # Where to resume decides every later collective (the first step, the data skipped): the
+                # ranks take the main process's last checkpoint. Each rank's own listing can differ:
+                # rank 0 still writing or rotating the checkpoint its last step saved, another node's
+                # stale view of a shared folder. Stock lists on each rank: a hang where they differ.
+                path = self._main_process_value(get_last_checkpoint(self.args.output_dir))
+                if path is None:   # the Trainer's own message, on every rank
+                    raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+                resume_from_checkpoint = path
+            if os.path.isdir(path):   # a missing one gets the Trainer's own message
                 check_checkpoint(path)
         self._watch("starting train() (preparing the model, the first collectives)")
         self._check_snapshot_memory_at_start()
@@ -163,6 +171,16 @@ class StreamTrainerMixin:
             raise
         self._end_training(gather_report=True)
         return output
+
+    def _main_process_value(self, value):
+        """``value`` as the main process has it, on every rank (a collective: call it where every rank does)."""
+        if self.args.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, device=self.args.device)
+        return box[0]
 
     def _end_training(self, gather_report: bool) -> None:
         """Close what train() opened, so the model is as it was: no hooks, no thread, no old trainer."""
