@@ -58,6 +58,19 @@ def test_an_intact_checkpoint_passes(tmp_path):
         check_checkpoint(ckpt)
 
 
+def test_hfstreams_own_report_never_stops_a_resume(tmp_path):
+    # Resuming reads nothing of stream_report.json: half of one (the main process still writing it, when
+    # a script resumes in the same process: seeds 307 and 341) must not refuse the checkpoint.
+    from hfstream.trainer.report_file import REPORT_FILE
+
+    ckpt = _checkpoint(tmp_path)
+    (ckpt / REPORT_FILE).write_text('{"mean": ')
+    assert check_checkpoint(ckpt) is None
+    (ckpt / "trainer_state.json").write_text('{"global_step": ')   # the Trainer's own files still count
+    with pytest.raises(CheckpointError, match="trainer_state.json"):
+        check_checkpoint(ckpt)
+
+
 @pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "trainer_state.json"])
 def test_a_truncated_file_is_named_with_the_way_out(tmp_path, name):
     ckpt = _checkpoint(tmp_path)

@@ -45,8 +45,10 @@ def check_checkpoint(directory: str | os.PathLike) -> None:
     if not directory.is_dir():
         raise CheckpointError(f"resume_from_checkpoint={str(directory)!r} is not a directory; pass a "
                               f"checkpoint-N folder from output_dir, or True for the last one")
+    from .report_file import REPORT_FILE
+
     for path in sorted(directory.iterdir()):
-        if not path.is_file():
+        if not path.is_file() or path.name == REPORT_FILE:   # hfstream's report: resuming reads nothing of it
             continue
         why = _damaged(path)
         if why is not None:

@@ -11,6 +11,7 @@ checkpoint at its last step gets it in its newest checkpoint, and one that saved
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 REPORT_FILE = "stream_report.json"
@@ -32,5 +33,7 @@ def write_report(report, output_dir, step: int | None = None) -> Path:
     """Write ``report`` (a `StreamReport`) to `report_dir` ``(output_dir, step)``; returns the path."""
     path = report_dir(output_dir, step) / REPORT_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report.to_json())
+    partial = path.with_name(path.name + ".partial")   # renamed whole: another rank never reads half of it
+    partial.write_text(report.to_json())
+    os.replace(partial, path)
     return path
