@@ -159,7 +159,8 @@ def draw(seed: int) -> Setup:
     s["grad_ckpt"] = rng.random() < 0.2 and s["family"] not in ("bn-mlp", "moe-experts")
     s["resume"] = rng.random() < 0.5 and s["save"]
     s["tokens_seen"] = rng.random() < 0.2
-    s["smoothing"] = rng.random() < 0.15 and s["family"] not in ("bn-mlp", "moe-experts")
+    # Label smoothing pops the labels an encoder-decoder builds its decoder inputs from: stock raises there.
+    s["smoothing"] = rng.random() < 0.15 and s["family"] in ("gpt2", "llama", "bert", "mixtral", "qwen2moe")
     # What does not combine: PEFT freezes the base itself; an accumulation of 1 syncs every batch anyway.
     if s["peft"] == "lora":
         s["freeze"] = "none"
@@ -206,14 +207,17 @@ def tolerance(setup: Setup) -> Tolerance:
     (2**-8), and where the terms nearly cancel Adam turns that into a step of ``lr`` in the other
     direction: measured, overlap against stock, single elements off by a whole move, tensors up to
     2.1e-2 of their move in L2 norm (a bf16 weight that moves less than its own ulps: a few ulps),
-    logged losses and norms within 1e-3. So tensors within 5e-2 of their move in norm (plus an ulp
-    on a sixteenth of a bf16 tensor's elements), losses and norms within 2e-3. A missing reduction,
+    logged losses and norms within 1e-3; a T5 with LoRA under bf16 autocast on 3 ranks drifts
+    further: its grad norm 3.1e-3 off after 6 steps, and stock's own DDP with another bucket size
+    (0.001 MiB) lands on the same values as hfstream, 3.1e-3 from stock's default (seed 331,
+    2026-12-06). So tensors within 5e-2 of their move in norm (plus an ulp on a sixteenth of a bf16
+    tensor's elements), losses and norms within 5e-3. A missing reduction,
     a stale gradient or a clip left out moves a logged norm by a percent or more, and most of a
     tensor by much more than its noise.
     """
     if setup.dtype == "fp32":
         return Tolerance(rtol=1e-5, atol=1e-6, moved=1e-3, elementwise=True)
-    return Tolerance(rtol=2e-3, atol=1e-4, moved=5e-2, elementwise=False)
+    return Tolerance(rtol=5e-3, atol=1e-4, moved=5e-2, elementwise=False)
 
 
 # == the pieces a setup is made of ===================================================================
@@ -559,7 +563,11 @@ def run_side(setup: Setup, side: str, rank: int, out_dir: str, ddp_timeout: int 
     trainer, callbacks = trainer_for(model)
     trainer.train()
     first = _digest(trainer.accelerator.unwrap_model(trainer.model))   # where the run stopped, before a resume
-    if setup.resume:   # as a new process starts: a fresh model (from other weights: only the checkpoint may
+    if setup.resume:
+        # As a new launch resumes: after every rank's last save is written and rotated (stock lists the folder
+        # on each rank; a rank ahead of the saving one would resume elsewhere and hang: seeds 307, 341).
+        torch.distributed.barrier()
+        # A fresh model (from other weights: only the checkpoint may
         # make the run go on where it stopped; resumed, it ends where an uninterrupted run does), its side's
         # own last checkpoint
         trainer, callbacks = trainer_for(model_for(setup, seed + 1000), steps=setup.steps + 2)
