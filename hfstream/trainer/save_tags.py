@@ -29,12 +29,9 @@ _WRITING = threading.local()
 def remember(host: torch.Tensor, source: torch.UntypedStorage) -> None:
     """``host`` (a snapshot buffer) now holds a copy of ``source``: files saved from it tag ``source``'s
     device. A host source forgets an earlier tag of the buffer (buffers are reused by the next save)."""
-    ptr = host.untyped_storage().data_ptr()
     tag = torch.serialization.location_tag(source)
-    if tag == "cpu":
-        _TAGS.pop(ptr, None)
-    else:
-        _TAGS[ptr] = (tag, tag is not torch.serialization.location_tag(source))
+    set_tag(host.untyped_storage().data_ptr(),
+            None if tag == "cpu" else (tag, tag is not torch.serialization.location_tag(source)))
 
 
 def tag_of(ptr: int) -> tuple[str, bool] | None:
@@ -43,7 +40,8 @@ def tag_of(ptr: int) -> tuple[str, bool] | None:
 
 
 def set_tag(ptr: int, tag: tuple[str, bool] | None) -> None:
-    """The writer process's side of `tag_of`: the same buffer, at its address there."""
+    """The buffer at ``ptr`` tagged ``tag`` (None: as its own, the host's); the writer process's side of
+    `tag_of` too: the same buffer, at its address there."""
     if tag is None:
         _TAGS.pop(ptr, None)
     else:

@@ -162,7 +162,7 @@ class StreamTrainerMixin:
             if os.path.isdir(path):   # a missing one gets the Trainer's own message
                 check_checkpoint(path)
         self._watch("starting train() (preparing the model, the first collectives)")
-        self._check_snapshot_memory_at_start()
+        self._start_save_async()
         self._train_began = time.perf_counter()   # the run's time, for the saves' share of it (the report)
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
@@ -707,7 +707,7 @@ class StreamTrainerMixin:
 
     def _save_flags(self, flags: list[bool]) -> list[bool]:
         """save_async's flags (short of memory, written, failed) OR-ed over the ranks, at a point every rank
-        reaches: over a gloo group (`_check_snapshot_memory_at_start` makes it), so a step boundary with
+        reaches: over a gloo group (`_start_save_async` makes it), so a step boundary with
         a save in flight makes no rank wait for its device, as a flag on an NCCL group would (a host copy
         in, a host read out)."""
         if self.args.world_size == 1:
@@ -720,8 +720,9 @@ class StreamTrainerMixin:
             return any_rank(flags, dist.group.WORLD, self.args.device)
         return any_rank(flags, self._save_group, torch.device("cpu"))
 
-    def _check_snapshot_memory_at_start(self) -> None:
-        """save_async: refused before training where not even the model's state fits in host memory."""
+    def _start_save_async(self) -> None:
+        """save_async, at the start of train() on every rank: the gloo group its flags travel on, then refused
+        where not even the model's state fits in host memory, then the writer process started."""
         if not self.args.save_async:
             return
         if self.args.world_size > 1 and self._save_group is None:   # every rank, from the arguments they share
